@@ -1,0 +1,38 @@
+"""interp_engine: mechanistic interpretability on eager transformers and inside vLLM, with one API.
+
+Public names are re-exported here explicitly from small private modules.
+"""
+
+from ._address import Address, format_address, parse_address, to_address
+from ._api import (
+    Completion,
+    GenStep,
+    active_steering,
+    capture_generation,
+    decode_residuals,
+    expert_assignment,
+    generate_stream,
+    head_contributions,
+    run_with_cache,
+    steer,
+)
+from ._cache import Cache
+from ._capabilities import CAPABILITIES, Capability, CapabilityUnsupported
+from ._graph import GradSupport, ModelGraph, ResidualBasis
+from ._model import Model, ModelNotFound, Tokenizer, load_model
+from ._plan import Plan, SteerOp, SteerSpec, capture_plan, steer_plan
+from ._points import POINTS, PointSpec
+from ._sampling import SamplingConfig, top_logprobs
+from ._tokens import TokenBatch
+
+__all__ = [
+    "Address", "CAPABILITIES", "Cache", "Capability", "CapabilityUnsupported", "Completion",
+    "GenStep", "GradSupport", "Model", "ModelGraph", "ModelNotFound", "POINTS", "Plan",
+    "PointSpec", "ResidualBasis", "SamplingConfig", "SteerOp", "SteerSpec", "TokenBatch",
+    "Tokenizer", "active_steering", "capture_generation", "capture_plan", "decode_residuals",
+    "expert_assignment", "format_address", "generate_stream", "head_contributions",
+    "load_model", "parse_address", "run_with_cache", "steer", "steer_plan", "to_address",
+    "top_logprobs",
+]
+
+__version__ = "0.1.0"

@@ -1,0 +1,106 @@
+"""What each backend can and cannot do, as data, and the error raised when work is refused."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from types import MappingProxyType
+
+__all__ = ["CAPABILITIES", "Capability", "CapabilityUnsupported"]
+
+
+@dataclass(frozen=True)
+class Capability:
+    """A capability some backend lacks: why, what to call instead, and who serves it."""
+
+    name: str
+    why: str
+    instead: str
+    backends: frozenset[str]
+
+    def served_by(self, backend: str) -> bool:
+        return backend in self.backends
+
+
+class CapabilityUnsupported(RuntimeError):
+    """Raised before any forward when a backend cannot serve what was asked."""
+
+    def __init__(self, capability: str, backend: str, why: str | None = None,
+                 instead: str | None = None, detail: str | None = None) -> None:
+        entry = CAPABILITIES.get(capability)
+        self.capability = capability
+        self.backend = backend
+        self.why = why if why is not None else (entry.why if entry else "not supported")
+        self.instead = instead if instead is not None else (entry.instead if entry else "")
+        self.detail = detail
+        message = f"{capability} is not supported on backend {backend!r}"
+        if detail:
+            message += f" ({detail})"
+        message += f": {self.why}"
+        if self.instead:
+            message += f". Instead: {self.instead}"
+        super().__init__(message)
+
+
+_ALL = frozenset({"eager", "vllm", "vllm-static"})
+_EAGER = frozenset({"eager"})
+
+
+def _c(name: str, why: str, instead: str, backends: frozenset[str]) -> Capability:
+    return Capability(name, why, instead, backends)
+
+
+CAPABILITIES = MappingProxyType(
+    {
+        c.name: c
+        for c in (
+            _c("batched_prompts",
+               "vLLM schedules each prompt as its own request at its true length, so a padded "
+               "batch has no meaning there",
+               "call once per prompt, or load the model with backend='eager'", _EAGER),
+            _c("gradients",
+               "vLLM runs under inference mode with fused kernels that have no backward",
+               "load_model(..., backend='eager', requires_grad=True) and run_with_cache(..., detach=False)",
+               _EAGER),
+            _c("attention_internals",
+               "vLLM's attention kernel consumes q, k and v inside one fused call and never "
+               "materialises them per head before rotary embedding",
+               "capture 'z' (served on vLLM) or use backend='eager' for q, k and v", _EAGER),
+            _c("attention_pattern",
+               "vLLM's paged attention kernels never form the attention probability matrix",
+               "use backend='eager'", _EAGER),
+            _c("mlp_internals",
+               "vLLM fuses the gate and up projections and the activation into one kernel",
+               "capture 'mlp_out', or use backend='eager' for mlp_pre and mlp_act", _EAGER),
+            _c("expert_selection",
+               "vLLM selects and weights experts inside its fused MoE kernel and never returns "
+               "the selection",
+               "capture 'router_logits' (served on vLLM) and apply top-k of its softmax, or use "
+               "backend='eager'", _EAGER),
+            _c("parallel_residual_streams",
+               "only DeepSeek-V4's hyper-connection trunk carries parallel residual streams, and "
+               "vLLM has no CPU path for it",
+               "use backend='eager'", _EAGER),
+            _c("logits_in_stream",
+               "vLLM's sampler never ships the logits tensor out of the worker",
+               "ask for n_logprobs=k, which every backend honours", _EAGER),
+            _c("free_decode_residuals",
+               "the free decode_residuals reads the weights directly, which live inside the "
+               "vLLM worker",
+               "call model.decode_residuals(cache), which runs where the weights are", _EAGER),
+            _c("logit_lens",
+               "the residual basis is not a single additive stream read by the final norm "
+               "(DeepSeek-V4 mixes several parallel streams before the head), so decoding an "
+               "intermediate residual has no meaning",
+               "read resid_streams and the model's own logits, or use a model whose "
+               "residual_basis.lens_valid is true", frozenset()),
+            _c("vllm_architecture",
+               "this vLLM build has no working path for this architecture on this device",
+               "use backend='eager'", _EAGER),
+            _c("static_graph",
+               "backend='vllm-static' (taps traced into the compiled graph) is not implemented "
+               "in this release",
+               "use backend='vllm' (hooks on an eager vLLM engine) or backend='eager'",
+               frozenset({"eager", "vllm"})),
+        )
+    }
+)

@@ -1,0 +1,136 @@
+"""The immutable model graph: what a loaded model is, as plain data read from its config.
+
+Built by ``specs/<arch>.py`` from a Hugging Face config; never touches weights or hooks, so
+every question it answers is answerable before any forward runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from ._address import Address, AddressLike, to_address
+from ._points import POINTS, PointSpec
+
+__all__ = ["GradSupport", "ModelGraph", "ResidualBasis"]
+
+
+@dataclass(frozen=True)
+class ResidualBasis:
+    """The shape of the residual stream: one additive stream, or several parallel ones."""
+
+    n_streams: int
+    additive: bool
+    lens_valid: bool
+    note: str = ""
+
+    def describe(self) -> str:
+        if self.n_streams == 1:
+            text = ("one additive residual stream: resid_post.L = resid_pre.L + attn_out.L + "
+                    "mlp_out.L, read by the final norm and unembedding")
+        else:
+            text = (f"{self.n_streams} parallel residual streams mixed by learned hyper-connections; "
+                    "resid_* name the [n_streams, d_model] stack, which no sublayer reads directly")
+        text += f"; additive={self.additive}; logit lens {'valid' if self.lens_valid else 'not valid'}"
+        return text + (f"; {self.note}" if self.note else "")
+
+
+@dataclass(frozen=True)
+class GradSupport:
+    """What gradients this loaded instance can produce, known before any forward."""
+
+    through_forward: bool
+    to_parameters: bool
+    backend: str
+    reason: str
+
+    def describe(self) -> str:
+        if self.through_forward:
+            where = "to the parameters and to captured tensors" if self.to_parameters else \
+                "to captured tensors and inputs (parameters are frozen)"
+            return f"gradients flow through the {self.backend} forward {where}: {self.reason}"
+        return f"no gradients on this instance ({self.backend}): {self.reason}"
+
+
+@dataclass(frozen=True)
+class ModelGraph:
+    """Static facts about one architecture instance."""
+
+    arch: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    d_head: int
+    d_vocab: int
+    d_mlp: int | None
+    n_experts: int
+    top_k: int
+    moe_layers: tuple[int, ...]
+    residual_basis: ResidualBasis
+    final_logit_softcap: float | None = None
+    point_table: tuple[PointSpec, ...] = field(default=(), repr=False)
+
+    # ---- points -----------------------------------------------------------------
+    def points(self) -> tuple[PointSpec, ...]:
+        return self.point_table
+
+    def point(self, name: str) -> PointSpec:
+        for spec in self.point_table:
+            if spec.name == name:
+                return spec
+        known = POINTS.get(name)
+        valid = ", ".join(p.name for p in self.point_table)
+        if known is None:
+            raise ValueError(f"unknown point name {name!r}; points on this {self.arch} model: {valid}")
+        raise ValueError(
+            f"point {name!r} does not exist on this {self.arch} model "
+            f"({known.meaning}); points on this model: {valid}"
+        )
+
+    def layers_of(self, name: str) -> tuple[int, ...]:
+        spec = self.point(name)
+        if spec.kind == "moe":
+            return self.moe_layers
+        if spec.kind == "mlp":
+            return tuple(i for i in range(self.n_layers) if i not in self.moe_layers)
+        return tuple(range(self.n_layers))
+
+    def check_address(self, value: AddressLike) -> Address:
+        """Return the Address if it exists on this model; otherwise raise naming what is valid."""
+        address = to_address(value)
+        spec = self.point(address.name)
+        layers = self.layers_of(address.name)
+        if address.layer not in layers:
+            if address.layer >= self.n_layers:
+                raise ValueError(
+                    f"layer {address.layer} out of range in {address}: this {self.arch} model has "
+                    f"{self.n_layers} layers (0..{self.n_layers - 1})"
+                )
+            raise ValueError(f"{address} does not exist: {address.name} is only at layers {list(layers)}")
+        if address.stream is not None and address.stream >= self.residual_basis.n_streams:
+            raise ValueError(
+                f"stream {address.stream} out of range in {address}: this model has "
+                f"{self.residual_basis.n_streams} streams (0..{self.residual_basis.n_streams - 1})"
+            )
+        del spec
+        return address
+
+    def shape_of(self, address: Address, batch: int, pos: int) -> tuple[int, ...]:
+        dims = self.point(address.name).dims
+        if address.stream is not None:
+            dims = tuple(d for d in dims if d != "n_streams")
+        sizes = {
+            "batch": batch, "pos": pos, "key_pos": pos, "d_model": self.d_model,
+            "d_vocab": self.d_vocab, "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,
+            "d_head": self.d_head, "d_mlp": self.d_mlp or 0, "n_experts": self.n_experts,
+            "top_k": self.top_k, "n_streams": self.residual_basis.n_streams,
+        }
+        return tuple(sizes[d] for d in dims)
+
+    def with_points(self, table: tuple[PointSpec, ...]) -> "ModelGraph":
+        return replace(self, point_table=table)
+
+    def describe(self) -> str:
+        moe = f", {self.n_experts} experts top-{self.top_k}" if self.n_experts else ""
+        return (f"{self.arch}: {self.n_layers} layers, d_model {self.d_model}, {self.n_heads} heads "
+                f"({self.n_kv_heads} KV) of {self.d_head}, vocab {self.d_vocab}{moe}")

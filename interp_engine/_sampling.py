@@ -1,0 +1,92 @@
+"""Sampling parameters (validated data) and the pure sampling functions the eager backend uses."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from dataclasses import dataclass
+
+import torch
+from jaxtyping import Float
+
+__all__ = ["SamplingConfig", "sample_next", "top_logprobs"]
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, numbers.Integral) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    """What a generation call asked for; every field checked on construction."""
+
+    max_tokens: int = 16
+    temperature: float = 1.0
+    top_k: int = 0  # 0: no top-k filter
+    top_p: float = 1.0
+    stop_at_eos: bool = True
+    seed: int | None = None
+    n_logprobs: int | None = None
+    d_vocab: int | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
+        if isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real) \
+                or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real) \
+                or not (0.0 < self.top_p <= 1.0):
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.stop_at_eos, bool):
+            raise TypeError(f"stop_at_eos must be a bool, got {self.stop_at_eos!r}")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            raise ValueError(f"seed must be a non-negative int or None, got {self.seed!r}")
+        if self.n_logprobs is not None:
+            if not _is_int(self.n_logprobs) or self.n_logprobs < 0:
+                raise ValueError(f"n_logprobs must be an int >= 0 or None, got {self.n_logprobs!r}")
+            if self.d_vocab is not None and self.n_logprobs > self.d_vocab:
+                raise ValueError(
+                    f"n_logprobs={self.n_logprobs} is above the vocabulary size {self.d_vocab}"
+                )
+        if self.d_vocab is not None and self.top_k > self.d_vocab:
+            raise ValueError(f"top_k={self.top_k} is above the vocabulary size {self.d_vocab}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def top_logprobs(logits: Float[torch.Tensor, "d_vocab"], k: int) -> list[dict]:
+    """The k most likely tokens of one position: ``[{"token_id", "logprob"}, ...]``, best first."""
+    if not isinstance(logits, torch.Tensor) or logits.dim() != 1:
+        raise ValueError(f"top_logprobs takes logits of shape [d_vocab], got "
+                         f"{tuple(logits.shape) if isinstance(logits, torch.Tensor) else type(logits).__name__}")
+    if not _is_int(k) or k < 0 or k > logits.shape[0]:
+        raise ValueError(f"k must be an int in [0, {logits.shape[0]}], got {k!r}")
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    values, ids = torch.topk(logprobs, k)
+    return [{"token_id": int(i), "logprob": float(v)} for v, i in zip(values.tolist(), ids.tolist())]
+
+
+def sample_next(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None) -> int:
+    """One token from ``[d_vocab]`` logits: argmax at temperature 0, else temperature, top-k,
+    top-p, then a draw from ``generator``."""
+    if config.greedy:
+        return int(torch.argmax(logits))
+    scores = logits.float() / float(config.temperature)
+    if config.top_k:
+        kth = torch.topk(scores, config.top_k).values[-1]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if config.top_p < 1.0:
+        sorted_scores, order = torch.sort(scores, descending=True)
+        probs = torch.softmax(sorted_scores, dim=-1)
+        cumulative = torch.cumsum(probs, dim=-1)
+        drop = (cumulative - probs) > config.top_p
+        drop[0] = False
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
+    probs = torch.softmax(scores, dim=-1)
+    return int(torch.multinomial(probs, 1, generator=generator))

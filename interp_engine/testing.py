@@ -1,0 +1,410 @@
+"""Tiny, real Hugging Face models built on disk for tests and benchmarks.
+
+Model weights cannot be downloaded in CI, so this module builds small random
+checkpoints of real ``transformers`` architectures locally, once, and reuses
+them afterwards::
+
+    from interp_engine.testing import TINY_ARCHS, tiny_config, tiny_model
+
+    path = tiny_model("qwen3")                 # pathlib.Path to a model directory
+    model = AutoModelForCausalLM.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    llm = vllm.LLM(model=str(path), dtype="float32")  # vLLM loads it too
+
+``TINY_ARCHS`` lists the architectures: ``qwen3`` (``Qwen3ForCausalLM``),
+``llama`` (``LlamaForCausalLM``), ``gemma2`` (``Gemma2ForCausalLM``),
+``qwen3_moe`` (``Qwen3MoeForCausalLM``) and ``deepseek_v4``
+(``DeepseekV4ForCausalLM``).  Every architecture has the ``"tiny"`` variant
+(3 layers, hidden size 128, 4 query heads and fewer KV heads of size 32,
+float32); ``qwen3`` also has ``"bench"``, a random Qwen3 of about 26M
+parameters for benchmarks.  ``tiny_config(arch, variant)`` returns the
+configuration without building anything.
+
+Each directory holds the real config and model classes' ``save_pretrained``
+output (safetensors, float32, weights drawn after ``torch.manual_seed`` of a
+fixed per-architecture seed, with an ``initializer_range`` large enough that
+greedy decoding does not sit on near-ties), a ``generation_config.json`` with
+greedy defaults, and a byte-level BPE tokenizer of 512 tokens trained with the
+``tokenizers`` library on a fixed built-in corpus (``decode(encode(s)) == s``
+for any text; rare multi-byte characters span several tokens).
+``<|endoftext|>`` is the EOS and padding token; ``<bos>`` is prepended
+automatically for ``llama`` and ``gemma2`` only.
+
+Directories live under ``root``: by default ``$INTERP_ENGINE_CACHE`` if set,
+else ``~/.cache/interp_engine``.  A directory is named
+``tiny-<arch>-<variant>-<hash>``, where the hash covers the full config, the
+tokenizer recipe, the seed, ``FORMAT_VERSION`` and the torch/transformers
+versions, so any change to the recipe yields a new directory.  A build is
+written to a temporary directory beside its destination and moved into place
+with ``os.replace`` while holding an ``fcntl.flock`` lock, so concurrent
+processes (e.g. pytest workers) neither race nor see half-written models.
+Builds are deterministic: the same call writes the same bytes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+__all__ = [
+    "CACHE_ENV_VAR",
+    "FORMAT_VERSION",
+    "TINY_ARCHS",
+    "TINY_VARIANTS",
+    "TOKENIZER_VOCAB_SIZE",
+    "default_root",
+    "tiny_config",
+    "tiny_model",
+]
+
+FORMAT_VERSION = 1
+"""Bump to invalidate every cached directory (it is part of the directory hash)."""
+
+CACHE_ENV_VAR = "INTERP_ENGINE_CACHE"
+
+TINY_ARCHS: tuple[str, ...] = ("qwen3", "llama", "gemma2", "qwen3_moe", "deepseek_v4")
+TINY_VARIANTS: Mapping[str, tuple[str, ...]] = MappingProxyType({
+    "tiny": TINY_ARCHS,
+    "bench": ("qwen3",),
+})
+
+TOKENIZER_VOCAB_SIZE = 512
+EOS_TOKEN = "<|endoftext|>"
+BOS_TOKEN = "<bos>"
+EOS_TOKEN_ID = 0
+BOS_TOKEN_ID = 1
+_SPECIAL_TOKENS = (EOS_TOKEN, BOS_TOKEN)  # trained in this order: ids 0 and 1
+
+
+# --------------------------------------------------------------------------- recipes
+
+
+@dataclass(frozen=True)
+class _Recipe:
+    """Everything that determines one model directory's contents."""
+
+    arch: str
+    variant: str
+    config_class: str
+    seed: int
+    adds_bos: bool
+    config_kwargs: Mapping[str, Any]
+
+
+_TINY_SHAPE: Mapping[str, Any] = MappingProxyType({
+    "vocab_size": TOKENIZER_VOCAB_SIZE,
+    "hidden_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 256,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.1,
+})
+
+
+def _recipe(arch: str, variant: str, config_class: str, seed: int, adds_bos: bool,
+            **config_kwargs: Any) -> _Recipe:
+    return _Recipe(arch, variant, config_class, seed, adds_bos, MappingProxyType(config_kwargs))
+
+
+_RECIPES: Mapping[tuple[str, str], _Recipe] = MappingProxyType({
+    (r.arch, r.variant): r
+    for r in (
+        _recipe("qwen3", "tiny", "Qwen3Config", 1, False, **_TINY_SHAPE),
+        _recipe("llama", "tiny", "LlamaConfig", 2, True, **_TINY_SHAPE),
+        _recipe(
+            "gemma2", "tiny", "Gemma2Config", 3, True, **{
+                **_TINY_SHAPE,
+                # Real Gemma2 ties the LM head to the embeddings; vLLM's Gemma2 has no lm_head.
+                "tie_word_embeddings": True,
+            },
+            hidden_activation="gelu_pytorch_tanh",
+            query_pre_attn_scalar=32,
+            sliding_window=32,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            attn_logit_softcapping=50.0,
+            final_logit_softcapping=30.0,
+        ),
+        _recipe(
+            "qwen3_moe", "tiny", "Qwen3MoeConfig", 4, False, **_TINY_SHAPE,
+            num_experts=8,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            decoder_sparse_step=1,
+            mlp_only_layers=[],
+            norm_topk_prob=True,
+        ),
+        _recipe(
+            "deepseek_v4", "tiny", "DeepseekV4Config", 5, False,
+            vocab_size=TOKENIZER_VOCAB_SIZE,
+            hidden_size=128,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=1,
+            head_dim=32,
+            q_lora_rank=64,
+            n_routed_experts=8,
+            n_shared_experts=1,
+            num_experts_per_tok=2,
+            moe_intermediate_size=64,
+            layer_types=[
+                "compressed_sparse_attention",
+                "heavily_compressed_attention",
+                "compressed_sparse_attention",
+            ],
+            o_groups=2,
+            o_lora_rank=64,
+            index_n_heads=4,
+            index_head_dim=32,
+            index_topk=16,
+            mlp_layer_types=["hash_moe", "moe", "moe"],
+            sliding_window=16,
+            num_nextn_predict_layers=0,
+            hc_mult=4,
+            max_position_embeddings=512,
+            tie_word_embeddings=False,
+            initializer_range=0.1,
+        ),
+        _recipe(
+            "qwen3", "bench", "Qwen3Config", 11, False,
+            vocab_size=TOKENIZER_VOCAB_SIZE,
+            hidden_size=512,
+            num_hidden_layers=8,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            head_dim=64,
+            intermediate_size=1536,
+            max_position_embeddings=2048,
+            tie_word_embeddings=False,
+            initializer_range=0.05,
+        ),
+    )
+})
+
+
+def _lookup(arch: str, variant: str) -> _Recipe:
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown tiny-model arch {arch!r}; valid archs: {', '.join(TINY_ARCHS)}")
+    if variant not in TINY_VARIANTS:
+        raise ValueError(
+            f"unknown tiny-model variant {variant!r}; valid variants: {', '.join(TINY_VARIANTS)}")
+    if arch not in TINY_VARIANTS[variant]:
+        valid = [v for v, archs in TINY_VARIANTS.items() if arch in archs]
+        raise ValueError(
+            f"variant {variant!r} is not available for arch {arch!r}; "
+            f"valid variants for {arch!r}: {', '.join(valid)}")
+    return _RECIPES[(arch, variant)]
+
+
+def tiny_config(arch: str, variant: str = "tiny") -> transformers.PretrainedConfig:
+    """The float32 ``transformers`` config of ``tiny_model(arch, variant)``, built fresh."""
+    recipe = _lookup(arch, variant)
+    config_class = getattr(transformers, recipe.config_class)
+    bos = BOS_TOKEN_ID if recipe.adds_bos else None
+    config = config_class(
+        **{k: (list(v) if isinstance(v, list) else v) for k, v in recipe.config_kwargs.items()},
+        bos_token_id=bos,
+        eos_token_id=EOS_TOKEN_ID,
+        pad_token_id=EOS_TOKEN_ID,
+    )
+    config.dtype = torch.float32
+    return config
+
+
+# --------------------------------------------------------------------------- tokenizer
+
+_CORPUS_SENTENCES = (
+    "The quick brown fox jumps over the lazy dog.",
+    "A journey of a thousand miles begins with a single step.",
+    "She sells sea shells by the sea shore, and the shells she sells are surely seashells.",
+    "How much wood would a woodchuck chuck if a woodchuck could chuck wood?",
+    "In the beginning the universe was created; this has made a lot of people very angry.",
+    "It was the best of times, it was the worst of times, it was the age of wisdom.",
+    "Call me Ishmael. Some years ago, never mind how long precisely, I went to sea.",
+    "All happy families are alike; each unhappy family is unhappy in its own way.",
+    "The model reads a sequence of tokens and predicts the next one.",
+    "Attention heads move information between positions in the residual stream.",
+    "We patch the activation at layer two and measure the change in the logit difference.",
+    "The cat sat on the mat while the dog slept by the door.",
+    "Paris is the capital of France, and Berlin is the capital of Germany.",
+    "Mary went to the store, and John gave a drink to Mary.",
+    "When Alice and Bob went to the park, Bob handed the ball to Alice.",
+    "Water boils at 100 degrees Celsius and freezes at 0 degrees.",
+    "The train leaves at 9:45 and arrives at 13:20, platform 7.",
+    "Please send the report by Friday; the meeting moved to room 204.",
+    "Numbers like 3.14159, 2.71828 and 1.41421 show up everywhere.",
+    "Is it raining? No, it's sunny! Really... (maybe) [probably] {certainly}.",
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i * i)\n",
+    "x = {'key': [1, 2, 3], 'other': (4, 5)}  # a small dict",
+    "SELECT name, age FROM users WHERE age > 21 ORDER BY name;",
+    "Email: someone@example.com, URL: https://example.org/path?q=1&r=2",
+    "Prices: $5.99, $12.50, 30% off, 2 for 1, #1 best seller!",
+    "The café on the corner serves a naïve but charming crème brûlée.",
+    "Ünïcödé text is tricky: façade, jalapeño, über, señor, Ångström.",
+    "日本語のテキストも少し含めます。東京は日本の首都です。",
+    "Русский текст: привет, мир. Ελληνικά: γεια σου κόσμε.",
+    "Emoji: 🙂 🚀 🎉 👍🏽 ❤️ and math: ∑ ∫ √ ≈ ≠ ∞ π.",
+    "Tabs\tand  double  spaces, newlines\nand a trailing space ",
+    "She said, \"I'll be there at 8 o'clock,\" but she didn't come.",
+    "The experiment ran 3 times with seeds 0, 1 and 2; results varied by 0.5%.",
+    "Rivers flow to the sea, mountains rise to the sky, and roads run between towns.",
+    "A small model with random weights still produces well defined logits.",
+)
+
+
+def _corpus() -> tuple[str, ...]:
+    numbers = tuple(
+        f"Item {i}: {i * 37 % 1000} units at {i * 1.25:.2f} each, total {i * i * 7}."
+        for i in range(1, 61)
+    )
+    return _CORPUS_SENTENCES * 3 + numbers
+
+
+@dataclass(frozen=True)
+class _TokenizerRecipe:
+    vocab_size: int
+    special_tokens: tuple[str, ...]
+    adds_bos: bool
+    corpus_sha256: str
+
+
+def _tokenizer_recipe(adds_bos: bool) -> _TokenizerRecipe:
+    digest = hashlib.sha256("\x00".join(_corpus()).encode()).hexdigest()
+    return _TokenizerRecipe(TOKENIZER_VOCAB_SIZE, _SPECIAL_TOKENS, adds_bos, digest)
+
+
+def _train_tokenizer(adds_bos: bool) -> Tokenizer:
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TOKENIZER_VOCAB_SIZE,
+        special_tokens=list(_SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tokenizer.train_from_iterator(_corpus(), trainer=trainer)
+    if tokenizer.get_vocab_size() != TOKENIZER_VOCAB_SIZE:
+        raise RuntimeError(
+            f"trained tokenizer has {tokenizer.get_vocab_size()} tokens, "
+            f"expected {TOKENIZER_VOCAB_SIZE}")
+    for token, expected in ((EOS_TOKEN, EOS_TOKEN_ID), (BOS_TOKEN, BOS_TOKEN_ID)):
+        if tokenizer.token_to_id(token) != expected:
+            raise RuntimeError(f"{token} got id {tokenizer.token_to_id(token)}, expected {expected}")
+    if adds_bos:
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single=f"{BOS_TOKEN} $A",
+            pair=f"{BOS_TOKEN} $A {BOS_TOKEN}:1 $B:1",
+            special_tokens=[(BOS_TOKEN, BOS_TOKEN_ID)],
+        )
+    return tokenizer
+
+
+def _save_tokenizer(directory: pathlib.Path, adds_bos: bool, model_max_length: int) -> None:
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=_train_tokenizer(adds_bos),
+        bos_token=BOS_TOKEN if adds_bos else None,
+        eos_token=EOS_TOKEN,
+        pad_token=EOS_TOKEN,
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.save_pretrained(directory)
+
+
+# --------------------------------------------------------------------------- building
+
+
+def default_root() -> pathlib.Path:
+    """``$INTERP_ENGINE_CACHE`` if set, else ``~/.cache/interp_engine``."""
+    env = os.environ.get(CACHE_ENV_VAR)
+    return pathlib.Path(env) if env else pathlib.Path.home() / ".cache" / "interp_engine"
+
+
+def _directory_name(recipe: _Recipe, config: transformers.PretrainedConfig) -> str:
+    config_dict = config.to_dict()
+    config_dict.pop("transformers_version", None)
+    key = {
+        "format_version": FORMAT_VERSION,
+        "arch": recipe.arch,
+        "variant": recipe.variant,
+        "seed": recipe.seed,
+        "config": config_dict,
+        "tokenizer": _tokenizer_recipe(recipe.adds_bos).__dict__,
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+    }
+    blob = json.dumps(key, sort_keys=True, default=str).encode()
+    return f"tiny-{recipe.arch}-{recipe.variant}-{hashlib.sha256(blob).hexdigest()[:12]}"
+
+
+def _build(recipe: _Recipe, config: transformers.PretrainedConfig, directory: pathlib.Path) -> None:
+    torch.manual_seed(recipe.seed)
+    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    model.generation_config = transformers.GenerationConfig(
+        bos_token_id=config.bos_token_id,
+        eos_token_id=config.eos_token_id,
+        pad_token_id=config.pad_token_id,
+        do_sample=False,
+    )
+    model.save_pretrained(directory)
+    _save_tokenizer(directory, recipe.adds_bos, config.max_position_embeddings)
+
+
+@contextlib.contextmanager
+def _locked(lock_path: pathlib.Path) -> Iterator[None]:
+    with open(lock_path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def tiny_model(arch: str, variant: str = "tiny", *,
+               root: str | os.PathLike[str] | None = None) -> pathlib.Path:
+    """Path of the model directory for ``(arch, variant)``, building it on first use.
+
+    The directory loads with ``AutoModelForCausalLM.from_pretrained``,
+    ``AutoTokenizer.from_pretrained`` and ``vllm.LLM(model=str(path))``.
+    Raises ``ValueError`` for an unknown ``arch`` or ``variant``.
+    """
+    recipe = _lookup(arch, variant)
+    config = tiny_config(arch, variant)
+    base = pathlib.Path(root) if root is not None else default_root()
+    target = base / _directory_name(recipe, config)
+    if target.is_dir():
+        return target
+    base.mkdir(parents=True, exist_ok=True)
+    with _locked(base / f".{target.name}.lock"):
+        if target.is_dir():  # another process built it while we waited
+            return target
+        staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=base))
+        staging.chmod(0o755)
+        try:
+            _build(recipe, config, staging)
+            for file in staging.iterdir():
+                file.chmod(0o644)  # safetensors writes 0600; cached models are shared read-only
+            os.replace(staging, target)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
+    return target

@@ -1,0 +1,156 @@
+"""The declarative spec format: how each point maps to one architecture's modules on each engine.
+
+A spec is pure data. The bridge reads it to place hooks; the core reads it to build the graph.
+Module paths are templates with ``{L}`` for the layer index, relative to the engine's root
+module (the HF ``*ForCausalLM`` on eager; the vLLM ``*ForCausalLM`` inside the worker on vLLM).
+
+``how`` says which tensor of the module call is the point:
+  ``in``   the first input (``hidden_states``)        ``out``  the output (a tensor)
+  ``out0`` / ``out1`` / ``out2``: that element of a tuple output
+``post`` says how to reshape the raw tensor into the point's shape:
+  ``None``  already ``[batch, pos, ...]``             ``heads``/``kv_heads``: split the last dim
+  ``flat``  rows are flattened tokens: view as ``[batch, pos, -1]``
+  ``bhpd``  ``[batch, heads, pos, d]`` -> ``[batch, pos, heads, d]``
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Callable, Mapping
+
+from interp_engine._graph import ModelGraph, ResidualBasis
+from interp_engine._points import POINTS, PointSpec
+
+__all__ = ["ArchSpec", "Tap", "VllmTap", "build_graph"]
+
+
+@dataclass(frozen=True)
+class Tap:
+    path: str
+    how: str = "out"
+    post: str | None = None
+
+    def module_path(self, layer: int) -> str:
+        return self.path.format(L=layer)
+
+
+@dataclass(frozen=True)
+class VllmTap:
+    """Where a point comes from inside vLLM's fused layers.
+
+    ``source`` names the recipe the vLLM bridge applies:
+      ``layer_sum``      h + r of the decoder layer output (resid_post)
+      ``layer_prev_sum`` resid_post of the previous layer, or the embeddings for layer 0 (resid_pre)
+      ``layer_r``        r of the decoder layer output (resid_mid)
+      ``layer_h``        h of the decoder layer output (mlp_out)
+      ``module_out``     the output of ``path`` (attn_out on Gemma2; router logits)
+      ``mid_minus_pre``  resid_mid - resid_pre (attn_out where attention output is fused)
+      ``module_in``      the first input of ``path`` (z: the o_proj input)
+    """
+
+    source: str
+    path: str | None = None
+    post: str | None = None
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    arch: str
+    model_types: tuple[str, ...]
+    graph_from_config: Callable[[object], ModelGraph]
+    eager: Mapping[str, Tap]
+    layers_path: str = "model.layers"
+    embed_path: str = "model.embed_tokens"
+    final_norm_path: str = "model.norm"
+    unembed_path: str = "lm_head"
+    vllm: Mapping[str, VllmTap] = field(default_factory=lambda: MappingProxyType({}))
+    vllm_layers_path: str = "model.layers"
+    vllm_embed_path: str = "model.embed_tokens"
+    vllm_note: str = ""
+
+    def point_table(self, graph_dims: Mapping[str, tuple[str, ...]] | None = None) -> tuple[PointSpec, ...]:
+        dims = graph_dims or {}
+        table = []
+        for name, point in POINTS.items():
+            if name not in self.eager:
+                continue
+            on_vllm = point.vllm and name in self.vllm
+            table.append(point.with_backends(
+                vllm=on_vllm, vllm_static=point.vllm_static and on_vllm,
+                dims=dims.get(name, point.dims),
+                writable=point.writable and name not in dims,
+            ))
+        return tuple(table)
+
+
+def _get(config: object, *names: str, default=None):
+    for name in names:
+        value = getattr(config, name, None)
+        if value is not None:
+            return value
+    return default
+
+
+def build_graph(spec: ArchSpec, config: object, *, moe_layers: tuple[int, ...] = (),
+                n_experts: int = 0, top_k: int = 0, d_mlp: int | None = None,
+                basis: ResidualBasis | None = None,
+                graph_dims: Mapping[str, tuple[str, ...]] | None = None) -> ModelGraph:
+    """The common part of every ``graph_from_config``: read the usual HF config fields."""
+    n_heads = int(config.num_attention_heads)
+    d_model = int(config.hidden_size)
+    d_head = int(_get(config, "head_dim", default=d_model // n_heads))
+    graph = ModelGraph(
+        arch=spec.arch,
+        n_layers=int(config.num_hidden_layers),
+        d_model=d_model,
+        n_heads=n_heads,
+        n_kv_heads=int(_get(config, "num_key_value_heads", default=n_heads)),
+        d_head=d_head,
+        d_vocab=int(config.vocab_size),
+        d_mlp=d_mlp,
+        n_experts=n_experts,
+        top_k=top_k,
+        moe_layers=moe_layers,
+        residual_basis=basis or ResidualBasis(1, True, True),
+        final_logit_softcap=_get(config, "final_logit_softcapping"),
+    )
+    return graph.with_points(spec.point_table(graph_dims))
+
+
+# Taps shared by the Llama-family layouts (pre-norm, attention then MLP, one residual stream).
+LAYER = "model.layers.{L}"
+COMMON_EAGER = MappingProxyType({
+    "resid_pre": Tap(LAYER, "in"),
+    "resid_mid": Tap(LAYER + ".post_attention_layernorm", "in"),
+    "resid_post": Tap(LAYER, "out"),
+    "attn_out": Tap(LAYER + ".self_attn", "out0"),
+    "mlp_out": Tap(LAYER + ".mlp", "out"),
+    "q": Tap(LAYER + ".self_attn.q_proj", "out", "heads"),
+    "k": Tap(LAYER + ".self_attn.k_proj", "out", "kv_heads"),
+    "v": Tap(LAYER + ".self_attn.v_proj", "out", "kv_heads"),
+    "z": Tap(LAYER + ".self_attn.o_proj", "in", "heads"),
+    "pattern": Tap(LAYER + ".self_attn", "out1"),
+    "mlp_pre": Tap(LAYER + ".mlp.gate_proj", "out"),
+    "mlp_act": Tap(LAYER + ".mlp.down_proj", "in"),
+})
+
+# vLLM's fused (h, r) layout: resid_post = h + r, resid_mid = r, mlp_out = h.
+COMMON_VLLM = MappingProxyType({
+    "resid_pre": VllmTap("layer_prev_sum"),
+    "resid_mid": VllmTap("layer_r"),
+    "resid_post": VllmTap("layer_sum"),
+    "attn_out": VllmTap("mid_minus_pre"),
+    "mlp_out": VllmTap("layer_h"),
+    "z": VllmTap("module_in", LAYER + ".self_attn.o_proj", "heads"),
+})
+
+
+def merged(base: Mapping, **changes) -> Mapping:
+    out = dict(base)
+    for key, value in changes.items():
+        if value is None:
+            out.pop(key, None)
+        else:
+            out[key] = value
+    return MappingProxyType(out)

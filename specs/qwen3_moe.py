@@ -1,0 +1,31 @@
+"""Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3 attention, a routed MoE block in every sparse layer."""
+
+from ._base import COMMON_EAGER, COMMON_VLLM, LAYER, ArchSpec, Tap, VllmTap, build_graph, merged
+
+
+def _graph(config):
+    n_layers = int(config.num_hidden_layers)
+    step = int(getattr(config, "decoder_sparse_step", 1) or 1)
+    dense = set(getattr(config, "mlp_only_layers", []) or [])
+    moe = tuple(i for i in range(n_layers)
+                if i not in dense and int(config.num_experts) > 0 and (i + 1) % step == 0)
+    d_mlp = int(config.intermediate_size) if len(moe) < n_layers else None
+    return build_graph(SPEC, config, moe_layers=moe, n_experts=int(config.num_experts),
+                       top_k=int(config.num_experts_per_tok), d_mlp=d_mlp)
+
+
+SPEC = ArchSpec(
+    arch="qwen3_moe",
+    model_types=("qwen3_moe",),
+    graph_from_config=_graph,
+    eager=merged(
+        COMMON_EAGER,
+        q=Tap(LAYER + ".self_attn.q_norm", "out"),
+        k=Tap(LAYER + ".self_attn.k_norm", "out"),
+        # The router returns (logits, top-k weights, top-k indices) on flattened tokens.
+        router_logits=Tap(LAYER + ".mlp.gate", "out0", "flat"),
+        expert_weights=Tap(LAYER + ".mlp.gate", "out1", "flat"),
+        expert_indices=Tap(LAYER + ".mlp.gate", "out2", "flat"),
+    ),
+    vllm=merged(COMMON_VLLM, router_logits=VllmTap("module_out", LAYER + ".mlp.gate", "flat")),
+)
