@@ -92,7 +92,7 @@ CAPABILITIES = MappingProxyType(
                "(DeepSeek-V4 mixes several parallel streams before the head), so decoding an "
                "intermediate residual has no meaning",
                "read resid_streams and the model's own logits, or use a model whose "
-               "residual_basis.lens_valid is true", frozenset()),
+               "residual_basis.lens_valid is true", _ALL),
             _c("vllm_architecture",
                "this vLLM build has no working path for this architecture on this device",
                "use backend='eager'", _EAGER),
@@ -100,7 +100,7 @@ CAPABILITIES = MappingProxyType(
                "backend='vllm-static' (taps traced into the compiled graph) is not implemented "
                "in this release",
                "use backend='vllm' (hooks on an eager vLLM engine) or backend='eager'",
-               frozenset({"eager", "vllm"})),
+               frozenset()),
         )
     }
 )

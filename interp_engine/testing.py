@@ -93,6 +93,11 @@ _SPECIAL_TOKENS = (EOS_TOKEN, BOS_TOKEN)  # trained in this order: ids 0 and 1
 # --------------------------------------------------------------------------- recipes
 
 
+GEMMA_GAIN = float(os.environ.get("_GG", "4.0"))  # TEMP
+NORM_WEIGHT_JITTER = float(os.environ.get("_NJ", "0.2"))  # TEMP
+"""Std of the noise added to every RMSNorm weight, so that a backend dropping a norm weight shows."""
+
+
 @dataclass(frozen=True)
 class _Recipe:
     """Everything that determines one model directory's contents."""
@@ -102,7 +107,15 @@ class _Recipe:
     config_class: str
     seed: int
     adds_bos: bool
-    config_kwargs: Mapping[str, Any]
+    config: Mapping[str, Any]
+    norm_offsets: Mapping[str, float]
+    """Added to the weights of the norms with these attribute names, on top of the jitter."""
+
+
+def _recipe(arch: str, variant: str, config_class: str, seed: int, adds_bos: bool,
+            config: Mapping[str, Any], norm_offsets: Mapping[str, float] | None = None) -> _Recipe:
+    return _Recipe(arch, variant, config_class, seed, adds_bos,
+                   MappingProxyType(dict(config)), MappingProxyType(dict(norm_offsets or {})))
 
 
 _TINY_SHAPE: Mapping[str, Any] = MappingProxyType({
@@ -118,82 +131,88 @@ _TINY_SHAPE: Mapping[str, Any] = MappingProxyType({
     "initializer_range": 0.1,
 })
 
-
-def _recipe(arch: str, variant: str, config_class: str, seed: int, adds_bos: bool,
-            **config_kwargs: Any) -> _Recipe:
-    return _Recipe(arch, variant, config_class, seed, adds_bos, MappingProxyType(config_kwargs))
-
-
 _RECIPES: Mapping[tuple[str, str], _Recipe] = MappingProxyType({
     (r.arch, r.variant): r
     for r in (
-        _recipe("qwen3", "tiny", "Qwen3Config", 1, False, **_TINY_SHAPE),
-        _recipe("llama", "tiny", "LlamaConfig", 2, True, **_TINY_SHAPE),
+        _recipe("qwen3", "tiny", "Qwen3Config", 1, False, _TINY_SHAPE),
+        _recipe("llama", "tiny", "LlamaConfig", 2, True, _TINY_SHAPE),
         _recipe(
-            "gemma2", "tiny", "Gemma2Config", 3, True, **{
+            "gemma2", "tiny", "Gemma2Config", 3, True,
+            {
                 **_TINY_SHAPE,
                 # Real Gemma2 ties the LM head to the embeddings; vLLM's Gemma2 has no lm_head.
                 "tie_word_embeddings": True,
+                "hidden_activation": "gelu_pytorch_tanh",
+                "query_pre_attn_scalar": 32,
+                "sliding_window": 32,
+                "layer_types": ("sliding_attention", "full_attention", "sliding_attention"),
+                "attn_logit_softcapping": 50.0,
+                "final_logit_softcapping": 30.0,
             },
-            hidden_activation="gelu_pytorch_tanh",
-            query_pre_attn_scalar=32,
-            sliding_window=32,
-            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
-            attn_logit_softcapping=50.0,
-            final_logit_softcapping=30.0,
+            # With tied, sqrt(hidden)-scaled embeddings, each token's own embedding dominates
+            # the residual stream at random init and greedy decoding repeats the last token.
+            # Larger post-sublayer norm gains (Gemma norms scale by 1 + weight) fix that.
+            norm_offsets={"post_attention_layernorm": GEMMA_GAIN, "post_feedforward_layernorm": GEMMA_GAIN},
         ),
         _recipe(
-            "qwen3_moe", "tiny", "Qwen3MoeConfig", 4, False, **_TINY_SHAPE,
-            num_experts=8,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-            norm_topk_prob=True,
+            "qwen3_moe", "tiny", "Qwen3MoeConfig", 4, False,
+            {
+                **_TINY_SHAPE,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 64,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": (),
+                "norm_topk_prob": True,
+            },
         ),
         _recipe(
             "deepseek_v4", "tiny", "DeepseekV4Config", 5, False,
-            vocab_size=TOKENIZER_VOCAB_SIZE,
-            hidden_size=128,
-            num_hidden_layers=3,
-            num_attention_heads=4,
-            num_key_value_heads=1,
-            head_dim=32,
-            q_lora_rank=64,
-            n_routed_experts=8,
-            n_shared_experts=1,
-            num_experts_per_tok=2,
-            moe_intermediate_size=64,
-            layer_types=[
-                "compressed_sparse_attention",
-                "heavily_compressed_attention",
-                "compressed_sparse_attention",
-            ],
-            o_groups=2,
-            o_lora_rank=64,
-            index_n_heads=4,
-            index_head_dim=32,
-            index_topk=16,
-            mlp_layer_types=["hash_moe", "moe", "moe"],
-            sliding_window=16,
-            num_nextn_predict_layers=0,
-            hc_mult=4,
-            max_position_embeddings=512,
-            tie_word_embeddings=False,
-            initializer_range=0.1,
+            {
+                "vocab_size": TOKENIZER_VOCAB_SIZE,
+                "hidden_size": 128,
+                "num_hidden_layers": 3,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 1,
+                "head_dim": 32,
+                "q_lora_rank": 64,
+                "n_routed_experts": 8,
+                "n_shared_experts": 1,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 64,
+                "layer_types": (
+                    "compressed_sparse_attention",
+                    "heavily_compressed_attention",
+                    "compressed_sparse_attention",
+                ),
+                "o_groups": 2,
+                "o_lora_rank": 64,
+                "index_n_heads": 4,
+                "index_head_dim": 32,
+                "index_topk": 16,
+                "mlp_layer_types": ("hash_moe", "moe", "moe"),
+                "sliding_window": 16,
+                "num_nextn_predict_layers": 0,
+                "hc_mult": 4,
+                "max_position_embeddings": 512,
+                "tie_word_embeddings": False,
+                "initializer_range": 0.1,
+            },
         ),
         _recipe(
             "qwen3", "bench", "Qwen3Config", 11, False,
-            vocab_size=TOKENIZER_VOCAB_SIZE,
-            hidden_size=512,
-            num_hidden_layers=8,
-            num_attention_heads=8,
-            num_key_value_heads=4,
-            head_dim=64,
-            intermediate_size=1536,
-            max_position_embeddings=2048,
-            tie_word_embeddings=False,
-            initializer_range=0.05,
+            {
+                "vocab_size": TOKENIZER_VOCAB_SIZE,
+                "hidden_size": 512,
+                "num_hidden_layers": 8,
+                "num_attention_heads": 8,
+                "num_key_value_heads": 4,
+                "head_dim": 64,
+                "intermediate_size": 1536,
+                "max_position_embeddings": 2048,
+                "tie_word_embeddings": False,
+                "initializer_range": 0.05,
+            },
         ),
     )
 })
@@ -219,7 +238,7 @@ def tiny_config(arch: str, variant: str = "tiny") -> transformers.PretrainedConf
     config_class = getattr(transformers, recipe.config_class)
     bos = BOS_TOKEN_ID if recipe.adds_bos else None
     config = config_class(
-        **{k: (list(v) if isinstance(v, list) else v) for k, v in recipe.config_kwargs.items()},
+        **{k: (list(v) if isinstance(v, tuple) else v) for k, v in recipe.config.items()},
         bos_token_id=bos,
         eos_token_id=EOS_TOKEN_ID,
         pad_token_id=EOS_TOKEN_ID,
@@ -347,6 +366,8 @@ def _directory_name(recipe: _Recipe, config: transformers.PretrainedConfig) -> s
         "arch": recipe.arch,
         "variant": recipe.variant,
         "seed": recipe.seed,
+        "norm_jitter": NORM_WEIGHT_JITTER,
+        "norm_offsets": dict(recipe.norm_offsets),
         "config": config_dict,
         "tokenizer": _tokenizer_recipe(recipe.adds_bos).__dict__,
         "transformers": transformers.__version__,
@@ -359,6 +380,7 @@ def _directory_name(recipe: _Recipe, config: transformers.PretrainedConfig) -> s
 def _build(recipe: _Recipe, config: transformers.PretrainedConfig, directory: pathlib.Path) -> None:
     torch.manual_seed(recipe.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _perturb_norms(model, recipe.norm_offsets)
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
@@ -367,6 +389,17 @@ def _build(recipe: _Recipe, config: transformers.PretrainedConfig, directory: pa
     )
     model.save_pretrained(directory)
     _save_tokenizer(directory, recipe.adds_bos, config.max_position_embeddings)
+
+
+def _perturb_norms(model: torch.nn.Module, offsets: Mapping[str, float]) -> None:
+    """Jitter every RMSNorm weight (in module order, so seeded) and add ``offsets`` by name."""
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            weight = getattr(module, "weight", None)
+            if "RMSNorm" not in type(module).__name__ or not isinstance(weight, torch.nn.Parameter):
+                continue
+            weight.add_(torch.randn_like(weight), alpha=NORM_WEIGHT_JITTER)
+            weight.add_(offsets.get(name.rsplit(".", 1)[-1], 0.0))
 
 
 @contextlib.contextmanager

@@ -1,0 +1,57 @@
+"""Capture overhead on eager: a plain HF forward against run_with_cache on every layer's
+resid_post, in one run, as ratios (targets: <= 1.10 tiny 1x16, <= 1.03 larger 4x128).
+
+    .venv/bin/python benchmarks/bench_capture.py [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from _timing import interleaved_medians, report
+from interp_engine import Address, load_model, run_with_cache
+from interp_engine.testing import tiny_model
+
+
+def bench(variant: str, batch: int, pos: int, repeats: int, target: str) -> None:
+    model = load_model(tiny_model("qwen3", variant))
+    hf = model.hf
+    n_params = sum(p.numel() for p in hf.parameters())
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, model.d_vocab, (batch, pos), generator=g)
+    points = [Address("resid_post", layer) for layer in range(model.n_layers)]
+
+    def plain():
+        with torch.no_grad():
+            hf(input_ids=ids, use_cache=False)
+
+    def plain_hidden():
+        with torch.no_grad():
+            hf(input_ids=ids, use_cache=False, logits_to_keep=1)
+
+    medians = interleaved_medians({
+        "HF forward (all logits)": plain,
+        "run_with_cache resid_post x all, +logits": lambda: run_with_cache(model, ids, points, return_logits=True),
+        "HF forward (last logits only)": plain_hidden,
+        "run_with_cache resid_post x all (default)": lambda: run_with_cache(model, ids, points),
+    }, repeats=repeats)
+    report(f"qwen3 {variant}: {n_params / 1e6:.1f}M params, {model.n_layers} layers, {batch}x{pos} tokens",
+           medians, "HF forward (all logits)",
+           {"run_with_cache resid_post x all, +logits": target})
+    same = medians["run_with_cache resid_post x all (default)"] / medians["HF forward (last logits only)"]
+    print(f"  capture overhead at equal work (default vs last-logits forward): ratio {same:.3f}   target {target}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=200)
+    args = parser.parse_args()
+    torch.set_num_threads(max(1, torch.get_num_threads()))
+    bench("tiny", 1, 16, args.repeats, "<= 1.10")
+    bench("bench", 4, 128, max(10, args.repeats // 10), "<= 1.03")
+
+
+if __name__ == "__main__":
+    main()
