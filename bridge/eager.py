@@ -203,7 +203,10 @@ class EagerBackend:
                 elif tap.post == "flat":
                     t = t.reshape(b, w.length, -1)
                 if address.name == "pattern" and t.shape[-1] < total:
-                    t = torch.nn.functional.pad(t, (0, total - t.shape[-1]))
+                    # Keys are the most recent ones up to this window's end (a sliding-window
+                    # cache keeps fewer than all): place them at their absolute positions.
+                    end = w.start + w.length
+                    t = torch.nn.functional.pad(t, (end - t.shape[-1], total - end))
                 if address.stream is not None:
                     t = t[:, :, address.stream]
                 pieces.append(t)

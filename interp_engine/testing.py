@@ -366,7 +366,7 @@ def _directory_name(recipe: _Recipe, config: transformers.PretrainedConfig) -> s
         "arch": recipe.arch,
         "variant": recipe.variant,
         "seed": recipe.seed,
-        "norm_jitter": NORM_WEIGHT_JITTER,
+        "norm_jitter": NORM_WEIGHT_JITTER, "TEMP": os.environ.get("_ES", "1.0"),
         "norm_offsets": dict(recipe.norm_offsets),
         "config": config_dict,
         "tokenizer": _tokenizer_recipe(recipe.adds_bos).__dict__,
@@ -381,6 +381,9 @@ def _build(recipe: _Recipe, config: transformers.PretrainedConfig, directory: pa
     torch.manual_seed(recipe.seed)
     model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _perturb_norms(model, recipe.norm_offsets)
+    if recipe.arch == "gemma2":  # TEMP
+        with torch.no_grad():
+            model.get_input_embeddings().weight.mul_(float(os.environ.get("_ES", "1.0")))
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,

@@ -37,21 +37,23 @@ class Tap:
 
 @dataclass(frozen=True)
 class VllmTap:
-    """Where a point comes from inside vLLM's fused layers.
+    """Where a point lives inside vLLM's fused decoder layers, which return ``(h, r)`` with
+    ``resid_post = h + r`` (``r`` is resid_mid, ``h`` is mlp_out) and take
+    ``(positions, hidden, residual)`` with ``resid_pre = hidden + residual`` (``residual`` is
+    None at layer 0, where ``hidden`` is the embeddings).
 
-    ``source`` names the recipe the vLLM bridge applies:
-      ``layer_sum``      h + r of the decoder layer output (resid_post)
-      ``layer_prev_sum`` resid_post of the previous layer, or the embeddings for layer 0 (resid_pre)
-      ``layer_r``        r of the decoder layer output (resid_mid)
-      ``layer_h``        h of the decoder layer output (mlp_out)
-      ``module_out``     the output of ``path`` (attn_out on Gemma2; router logits)
-      ``mid_minus_pre``  resid_mid - resid_pre (attn_out where attention output is fused)
-      ``module_in``      the first input of ``path`` (z: the o_proj input)
+    ``source``: ``layer_in`` (resid_pre), ``layer_sum`` (h + r), ``layer_r``, ``layer_h``,
+    ``module_out`` / ``module_in`` (output / first input of ``path``), ``fused_in_sum``
+    (``x + residual`` at a fused add+norm ``path`` called as ``norm(x, residual)``).
+    Rows are flat tokens; ``post`` ``heads`` splits the last dim into heads.
     """
 
     source: str
     path: str | None = None
     post: str | None = None
+
+    def module_path(self, layer: int) -> str | None:
+        return None if self.path is None else self.path.format(L=layer)
 
 
 @dataclass(frozen=True)
@@ -64,9 +66,13 @@ class ArchSpec:
     embed_path: str = "model.embed_tokens"
     final_norm_path: str = "model.norm"
     unembed_path: str = "lm_head"
+    # vLLM: where each point is read, and where each steerable point is written (writes
+    # default to the read tap; resid_mid is written at the fused add+norm after attention).
     vllm: Mapping[str, VllmTap] = field(default_factory=lambda: MappingProxyType({}))
+    vllm_writes: Mapping[str, VllmTap] = field(default_factory=lambda: MappingProxyType({}))
     vllm_layers_path: str = "model.layers"
-    vllm_embed_path: str = "model.embed_tokens"
+    vllm_final_norm_path: str = "model.norm"
+    vllm_unembed_path: str = "lm_head"
     vllm_note: str = ""
 
     def point_table(self, graph_dims: Mapping[str, tuple[str, ...]] | None = None) -> tuple[PointSpec, ...]:
@@ -137,12 +143,16 @@ COMMON_EAGER = MappingProxyType({
 
 # vLLM's fused (h, r) layout: resid_post = h + r, resid_mid = r, mlp_out = h.
 COMMON_VLLM = MappingProxyType({
-    "resid_pre": VllmTap("layer_prev_sum"),
-    "resid_mid": VllmTap("layer_r"),
-    "resid_post": VllmTap("layer_sum"),
-    "attn_out": VllmTap("mid_minus_pre"),
-    "mlp_out": VllmTap("layer_h"),
+    "resid_pre": VllmTap("layer_in", LAYER),
+    "resid_mid": VllmTap("layer_r", LAYER),
+    "resid_post": VllmTap("layer_sum", LAYER),
+    "attn_out": VllmTap("module_out", LAYER + ".self_attn"),
+    "mlp_out": VllmTap("layer_h", LAYER),
     "z": VllmTap("module_in", LAYER + ".self_attn.o_proj", "heads"),
+})
+# resid_mid is written where attention's output meets the residual: norm(attn_out, resid_pre).
+COMMON_VLLM_WRITES = MappingProxyType({
+    "resid_mid": VllmTap("fused_in_sum", LAYER + ".post_attention_layernorm"),
 })
 
 

@@ -17,4 +17,6 @@ SPEC = ArchSpec(
         COMMON_VLLM,
         attn_out=VllmTap("module_out", LAYER + ".post_attention_layernorm"),
     ),
+    # Gemma 2 adds attention to the residual at the pre-feedforward fused norm.
+    vllm_writes=merged({}, resid_mid=VllmTap("fused_in_sum", LAYER + ".pre_feedforward_layernorm")),
 )

@@ -1,6 +1,6 @@
 """Llama (LlamaForCausalLM): the reference pre-norm layout."""
 
-from ._base import COMMON_EAGER, COMMON_VLLM, ArchSpec, build_graph
+from ._base import COMMON_EAGER, COMMON_VLLM, COMMON_VLLM_WRITES, ArchSpec, build_graph
 
 SPEC = ArchSpec(
     arch="llama",
@@ -8,4 +8,5 @@ SPEC = ArchSpec(
     graph_from_config=lambda config: build_graph(SPEC, config, d_mlp=int(config.intermediate_size)),
     eager=COMMON_EAGER,
     vllm=COMMON_VLLM,
+    vllm_writes=COMMON_VLLM_WRITES,
 )

@@ -1,6 +1,6 @@
 """Qwen3 (Qwen3ForCausalLM): Llama layout plus per-head RMSNorm on q and k."""
 
-from ._base import COMMON_EAGER, COMMON_VLLM, LAYER, ArchSpec, Tap, build_graph, merged
+from ._base import COMMON_EAGER, COMMON_VLLM, COMMON_VLLM_WRITES, LAYER, ArchSpec, Tap, build_graph, merged
 
 SPEC = ArchSpec(
     arch="qwen3",
@@ -13,4 +13,5 @@ SPEC = ArchSpec(
         k=Tap(LAYER + ".self_attn.k_norm", "out"),
     ),
     vllm=COMMON_VLLM,
+    vllm_writes=COMMON_VLLM_WRITES,
 )

@@ -1,6 +1,6 @@
 """Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3 attention, a routed MoE block in every sparse layer."""
 
-from ._base import COMMON_EAGER, COMMON_VLLM, LAYER, ArchSpec, Tap, VllmTap, build_graph, merged
+from ._base import COMMON_EAGER, COMMON_VLLM, COMMON_VLLM_WRITES, LAYER, ArchSpec, Tap, VllmTap, build_graph, merged
 
 
 def _graph(config):
@@ -27,5 +27,6 @@ SPEC = ArchSpec(
         expert_weights=Tap(LAYER + ".mlp.gate", "out1", "flat"),
         expert_indices=Tap(LAYER + ".mlp.gate", "out2", "flat"),
     ),
-    vllm=merged(COMMON_VLLM, router_logits=VllmTap("module_out", LAYER + ".mlp.gate", "flat")),
+    vllm=merged(COMMON_VLLM, router_logits=VllmTap("module_out", LAYER + ".mlp.gate")),
+    vllm_writes=COMMON_VLLM_WRITES,
 )

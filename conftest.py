@@ -1,0 +1,50 @@
+"""Root fixtures shared by tests/ and property_tests/: one model per (arch, backend) for the
+whole session, so each vLLM engine starts once."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+VLLM_ARCHS = ("qwen3", "llama", "gemma2", "qwen3_moe")
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+class ModelPool:
+    """Loads each (arch, backend, options) once; vLLM engines stay up for the session."""
+
+    def __init__(self) -> None:
+        self._models: dict[tuple, object] = {}
+
+    def get(self, arch: str, backend: str = "eager", **options):
+        key = (arch, backend, tuple(sorted(options.items())))
+        if key not in self._models:
+            if backend != "eager" and not vllm_installed():
+                pytest.skip("vllm is not installed (INTERP_ENGINE_SKIP_VLLM=1 set-up)")
+            from interp_engine import load_model
+            from interp_engine.testing import tiny_model
+
+            self._models[key] = load_model(tiny_model(arch), backend=backend, **options)
+        return self._models[key]
+
+    def close(self) -> None:
+        for model in self._models.values():
+            close = getattr(model.backend, "close", None)
+            if close is not None:
+                close()
+        self._models.clear()
+
+
+@pytest.fixture(scope="session")
+def model_pool():
+    pool = ModelPool()
+    yield pool
+    pool.close()
