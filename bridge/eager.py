@@ -89,12 +89,19 @@ class EagerBackend:
     def _lower(self, plan: Plan, window: ForwardWindow, captures: _Captures | None, detach: bool) -> HookSet:
         hooks = HookSet()
         try:
+            # Order on a shared module: writes at a point, then reads of it (a capture sees the
+            # steered value), then resid_mid writes, which ride on the attn_out module but come
+            # after attention's output in the layer (attn_out reads never see them).
             pre_sinks: dict[int, list] = {}
+            mid_writes = []
             for op in plan.writes:
                 cols, rows = select_columns(op, window)
                 if cols == ():
                     continue
-                self._lower_write(hooks, op, cols, rows, pre_sinks)
+                if op.address.name == "resid_mid":
+                    mid_writes.append((op, cols, rows))
+                else:
+                    self._lower_write(hooks, op, cols, rows, pre_sinks)
             if captures is not None:
                 seen: set[tuple[str, str]] = set()
                 for address in plan.reads:
@@ -105,6 +112,8 @@ class EagerBackend:
                     seen.add(key)
                     sink = captures.sinks.setdefault(key, [])
                     hooks.read(self.module(key[0]), tap.how, sink, detach)
+            for op, cols, rows in mid_writes:
+                self._lower_write(hooks, op, cols, rows, pre_sinks)
         except BaseException:
             hooks.remove()
             raise
@@ -224,7 +233,10 @@ class EagerBackend:
         generator = None
         if not config.greedy:
             generator = torch.Generator(device="cpu")
-            generator.manual_seed(config.seed if config.seed is not None else int(torch.seed() % 2**63))
+            if config.seed is not None:
+                generator.manual_seed(config.seed)
+            else:
+                generator.seed()  # non-deterministic, and the global RNG is left alone
         past = DynamicCache(config=self.hf.config)
         prompt_len = len(prompt) if prompt is not None else int(embeds.shape[0])
         if embeds is not None:

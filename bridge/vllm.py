@@ -39,6 +39,19 @@ __all__ = ["VllmBackend"]
 _ids = itertools.count()
 
 
+def _ensure_expert_group() -> None:
+    """vLLM keeps its parallel groups per process and creates the expert-parallel group only
+    when the first engine in the process is an MoE model; an MoE engine started after a dense
+    one would find none. Create it (same ranks as the tensor-parallel group) if it is missing."""
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps._EP is not None:
+        return
+    tp = ps.get_tp_group()
+    ps._EP = ps.init_model_parallel_group([list(tp.ranks)], ps.get_world_group().local_rank,
+                                          tp.backend if hasattr(tp, "backend") else "gloo", group_name="ep")
+
+
 # ---- per-request state ----------------------------------------------------------------
 
 @dataclass
@@ -118,6 +131,8 @@ class VllmBackend:
                 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
             from vllm import LLM
 
+            if self.graph.n_experts:
+                _ensure_expert_group()
             threads = torch.get_num_threads()
             self._llm = LLM(**self._kwargs)
             torch.set_num_threads(threads)  # vLLM's CPU worker rebinds threads; restore ours
@@ -524,5 +539,7 @@ class VllmBackend:
         return self.module(self.spec.vllm["z"].module_path(layer)).weight.detach().cpu()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The model's own input embeddings (Gemma 2's sqrt(d_model) scale included)."""
+        self._engine()
         with torch.inference_mode():
-            return self.module("model.embed_tokens")(ids).cpu()
+            return self._root.embed_input_ids(ids.to(next(self._root.parameters()).device)).cpu()

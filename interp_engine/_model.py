@@ -163,6 +163,14 @@ class Model:
     def batch(self, tokens: TokensLike) -> TokenBatch:
         return as_batch(tokens, self.graph.d_vocab, self.tok.pad_id)
 
+    def embed(self, tokens: TokensLike) -> torch.Tensor:
+        """The model's own input embeddings of one prompt, ``[pos, d_model]`` in the model dtype:
+        what ``generate_from_embeds`` takes (Gemma 2's sqrt(d_model) scale included)."""
+        batch = self.batch(tokens)
+        if len(batch) != 1:
+            raise ValueError(f"embed takes one prompt, got a batch of {len(batch)}")
+        return self.backend.embed(batch.ids[0])
+
     def warmup(self) -> None:
         """Start the engine if it is started lazily (a no-op on eager)."""
         getattr(self.backend, "warmup", lambda: None)()
@@ -206,7 +214,12 @@ def load_model(name: str | os.PathLike, backend: str = "eager", *, requires_grad
 
         from bridge.eager import EagerBackend
 
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype).to(device)
+        extra = {}
+        if getattr(config, "attn_logit_softcapping", None):
+            # SDPA silently drops attention-logit soft-capping (Gemma 2): only the eager
+            # kernel computes the model as defined.
+            extra["attn_implementation"] = "eager"
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **extra).to(device)
         hf.eval()
         hf.requires_grad_(requires_grad)
         engine = EagerBackend(hf, spec, graph, requires_grad)

@@ -33,7 +33,7 @@ class PointSpec:
     def served_by(self, backend: str) -> bool:
         return {"eager": self.eager, "vllm": self.vllm, "vllm-static": self.vllm_static}[backend]
 
-    def with_backends(self, **flags: bool) -> "PointSpec":
+    def with_backends(self, **flags: object) -> "PointSpec":
         return replace(self, **flags)
 
 

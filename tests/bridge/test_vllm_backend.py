@@ -1,0 +1,250 @@
+"""The vLLM backend against the eager backend on the same weights (fp32): every served point,
+greedy tokens and logprobs, steering, capture while generating, prompt embeds, async methods,
+and refusals before any forward. One engine per architecture for the whole session."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+import importlib.util
+
+from interp_engine import (Address, CapabilityUnsupported, SteerSpec, capture_generation,
+                           generate_stream, load_model, run_with_cache, steer)
+from interp_engine.testing import tiny_model
+
+VLLM_ARCHS = ("qwen3", "llama", "gemma2", "qwen3_moe")  # deepseek_v4 has no vLLM CPU path
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                                  reason="vllm not installed")]
+
+PROMPTS = ("The capital of France is", "Once upon a time, in a land far away, there lived a café owner")
+ATOL, RTOL = 3e-5, 1e-5
+
+
+@pytest.fixture(params=VLLM_ARCHS)
+def pair(request, model_pool):
+    arch = request.param
+    return model_pool.get(arch), model_pool.get(arch, "vllm", enable_prompt_embeds=True)
+
+
+def _served_points(model):
+    return [Address(p.name, layer) for p in model.points() if p.vllm for layer in model.graph.layers_of(p.name)]
+
+
+def test_every_served_point_equals_eager(pair):
+    eager, vllm = pair
+    points = _served_points(vllm)
+    assert {a.name for a in points} >= {"resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "z"}
+    for prompt in PROMPTS:
+        tokens = eager.to_tokens(prompt)
+        ce, cv = run_with_cache(eager, tokens, points), run_with_cache(vllm, tokens, points)
+        for address in points:
+            assert cv[address].shape == ce[address].shape, address
+            torch.testing.assert_close(cv[address], ce[address], atol=ATOL, rtol=RTOL, msg=str(address))
+
+
+def test_greedy_tokens_and_logprobs_equal(pair):
+    eager, vllm = pair
+    for prompt in PROMPTS:
+        tokens = eager.to_tokens(prompt)
+        se = list(generate_stream(eager, tokens, max_tokens=12, temperature=0.0, n_logprobs=4))
+        sv = list(generate_stream(vllm, tokens, max_tokens=12, temperature=0.0, n_logprobs=4))
+        assert [s.token_id for s in sv] == [s.token_id for s in se]
+        assert all(s.logits is None for s in sv) and all(s.logits is not None for s in se)
+        for a, b in zip(se, sv):
+            assert [d["token_id"] for d in b.logprobs] == [d["token_id"] for d in a.logprobs]
+            torch.testing.assert_close(torch.tensor([d["logprob"] for d in b.logprobs]),
+                                       torch.tensor([d["logprob"] for d in a.logprobs]), atol=1e-5, rtol=0)
+            assert b.logprob == pytest.approx(a.logprob, abs=1e-5)
+
+
+def _specs(model):
+    g = torch.Generator().manual_seed(3)
+    d, last = model.d_model, model.n_layers - 1
+    v = torch.randn(d, generator=g)
+    u = torch.randn(d, generator=g)
+    return {
+        "add_resid_post": SteerSpec.add("resid_post.1", v, scale=3.0),
+        "add_last_layer": SteerSpec.add(f"resid_post.{last}", v, scale=2.0),
+        "ablate_mid_set_pre": SteerSpec.ablate("resid_mid.1", u) | SteerSpec.set("resid_pre.2", v * 2, positions=[3]),
+        "attn_mlp_prompt_generated": SteerSpec.add("attn_out.0", v, scale=4.0, positions="prompt")
+        | SteerSpec.add("mlp_out.2", u, scale=4.0, positions="generated"),
+        "per_position": SteerSpec.add("resid_pre.0", torch.stack([v, u]) * 3, positions=[1, 4]),
+        "ablate_resid_post": SteerSpec.ablate("resid_post.0", v),
+    }
+
+
+def test_steered_generation_equals_eager(pair):
+    eager, vllm = pair
+    tokens = eager.to_tokens(PROMPTS[0])
+    plain = [s.token_id for s in generate_stream(eager, tokens, max_tokens=10, temperature=0.0)]
+    changed = 0
+    for name, spec in _specs(eager).items():
+        with steer(eager, spec):
+            se = list(generate_stream(eager, tokens, max_tokens=10, temperature=0.0, n_logprobs=3))
+        with steer(vllm, spec):
+            sv = list(generate_stream(vllm, tokens, max_tokens=10, temperature=0.0, n_logprobs=3))
+        assert [s.token_id for s in sv] == [s.token_id for s in se], name
+        for a, b in zip(se, sv):
+            torch.testing.assert_close(torch.tensor([d["logprob"] for d in b.logprobs]),
+                                       torch.tensor([d["logprob"] for d in a.logprobs]), atol=2e-5, rtol=0)
+        changed += [s.token_id for s in se] != plain
+    assert changed >= 3  # the specs really steer
+
+
+def test_steered_capture_equals_eager(pair):
+    eager, vllm = pair
+    tokens = eager.to_tokens(PROMPTS[1])
+    points = [Address(n, layer) for n in ("resid_mid", "resid_post", "attn_out") for layer in range(eager.n_layers)]
+    for name, spec in _specs(eager).items():
+        with steer(eager, spec):
+            ce = run_with_cache(eager, tokens, points)
+        with steer(vllm, spec):
+            cv = run_with_cache(vllm, tokens, points)
+        for address in points:
+            torch.testing.assert_close(cv[address], ce[address], atol=1e-4, rtol=1e-5, msg=f"{name} {address}")
+
+
+def test_capture_generation_rows_equal_eager(pair):
+    eager, vllm = pair
+    tokens = eager.to_tokens(PROMPTS[0])
+    points = ["resid_post.0", f"resid_post.{eager.n_layers - 1}", "z.1", "attn_out.2", "resid_pre.0"]
+    ce_completion, ce = capture_generation(eager, tokens, points, max_tokens=7, temperature=0.0)
+    cv_completion, cv = capture_generation(vllm, tokens, points, max_tokens=7, temperature=0.0)
+    assert cv_completion.token_ids == ce_completion.token_ids
+    assert cv_completion.text == ce_completion.text
+    n = tokens.shape[1] + len(cv_completion.token_ids) - 1
+    for point in points:
+        assert cv[point].shape[1] == n
+        torch.testing.assert_close(cv[point], ce[point], atol=ATOL, rtol=RTOL, msg=point)
+
+
+def test_prompt_embeds_give_the_same_tokens_as_ids(pair):
+    eager, vllm = pair
+    tokens = eager.to_tokens(PROMPTS[1])
+    embeds = vllm.embed(tokens)
+    torch.testing.assert_close(embeds, eager.embed(tokens), atol=1e-6, rtol=0)
+    from vllm import SamplingParams
+
+    out = asyncio.run(vllm.generate_from_embeds(embeds, SamplingParams(max_tokens=8, temperature=0.0)))
+    ids = [s.token_id for s in generate_stream(vllm, tokens, max_tokens=8, temperature=0.0)]
+    assert list(out.outputs[0].token_ids) == ids
+    eager_out = asyncio.run(eager.generate_from_embeds(embeds, SamplingParams(max_tokens=8, temperature=0.0)))
+    assert list(eager_out.outputs[0].token_ids) == ids
+
+
+def test_prompt_embeds_bad_input(pair):
+    _, vllm = pair
+    good = vllm.embed(vllm.to_tokens("Hi there"))
+    for bad, word in ((good[:, :-1], "width"), (good.double(), "dtype"), (good[None], "rank"),
+                      (good[:0], "empty")):
+        with pytest.raises((ValueError, TypeError), match=word):
+            asyncio.run(vllm.generate_from_embeds(bad))
+
+
+def test_embeds_need_enable_prompt_embeds():
+    model = load_model(tiny_model("qwen3"), backend="vllm")  # lazy: no engine starts
+    with pytest.raises(ValueError, match="enable_prompt_embeds=True"):
+        asyncio.run(model.generate_from_embeds(torch.zeros(3, model.d_model)))
+    assert model.backend._llm is None
+
+
+def test_concurrent_async_requests_each_get_their_own_result(pair):
+    eager, vllm = pair
+    tokens = eager.to_tokens(PROMPTS[0])
+    specs = [None, *list(_specs(eager).values())[:3]]
+
+    async def run(model):
+        return await asyncio.gather(*[model.generate_text(tokens, max_tokens=8, temperature=0.0, steer=s)
+                                      for s in specs])
+
+    concurrent = asyncio.run(run(vllm))
+    one_by_one = [asyncio.run(vllm.generate_text(tokens, max_tokens=8, temperature=0.0, steer=s)) for s in specs]
+    assert concurrent == one_by_one == asyncio.run(run(eager))
+    assert len(set(concurrent)) > 1
+
+
+def test_async_stream_and_full(pair):
+    _, vllm = pair
+    tokens = vllm.to_tokens(PROMPTS[1])
+
+    async def go():
+        text = await vllm.generate_text(tokens, max_tokens=16, temperature=0.0)
+        deltas = [d async for d in vllm.generate_stream(tokens, max_tokens=16, temperature=0.0)]
+        full = await vllm.generate_full(tokens, max_tokens=16, temperature=0.0, logprobs=3)
+        return text, deltas, full
+
+    text, deltas, full = asyncio.run(go())
+    assert "".join(deltas) == text == full.text
+    from vllm.outputs import RequestOutput
+
+    assert isinstance(full, RequestOutput)
+    assert full.finish_reason in ("length", "stop")
+    assert len(full.logprobs) == len(full.token_ids)
+    assert full.text == vllm.to_string(full.token_ids)
+
+
+def test_seeded_sampling_repeats(pair):
+    _, vllm = pair
+    tokens = vllm.to_tokens(PROMPTS[0])
+    runs = [[s.token_id for s in generate_stream(vllm, tokens, max_tokens=12, temperature=1.0, top_p=0.9,
+                                                 top_k=50, seed=seed)] for seed in (7, 7, 8)]
+    assert runs[0] == runs[1]
+    assert runs[0] != runs[2]
+
+
+def test_refusals_before_any_forward():
+    model = load_model(tiny_model("qwen3"), backend="vllm")  # lazy: no engine yet
+    tokens = model.to_tokens("Hi")
+    assert model.hooks_available and not model.graph_replay
+    assert model.static_points == () and model.static_writes == ()
+    assert not model.grad_support.through_forward
+    for point, capability in (("mlp_act.1", "mlp_internals"), ("pattern.0", "attention_pattern"),
+                              ("q.0", "attention_internals")):
+        with pytest.raises(CapabilityUnsupported) as info:
+            run_with_cache(model, tokens, [point])
+        assert info.value.capability == capability and info.value.backend == "vllm"
+        assert info.value.instead
+    with pytest.raises(CapabilityUnsupported, match="batched_prompts"):
+        run_with_cache(model, model.tok.to_tokens(["a b", "c"]), ["resid_post.0"])
+    with pytest.raises(CapabilityUnsupported, match="gradients"):
+        run_with_cache(model, tokens, ["resid_post.0"], detach=False)
+    with pytest.raises(CapabilityUnsupported, match="logits_in_stream"):
+        run_with_cache(model, tokens, ["resid_post.0"], return_logits=True)
+    from interp_engine import decode_residuals
+
+    with pytest.raises(CapabilityUnsupported, match="free_decode_residuals"):
+        decode_residuals(model, torch.zeros(1, 1, model.d_model))
+    with pytest.raises(CapabilityUnsupported, match="gradients"):
+        load_model(tiny_model("qwen3"), backend="vllm", requires_grad=True)
+    with pytest.raises(CapabilityUnsupported, match="vllm_architecture"):
+        load_model(tiny_model("deepseek_v4"), backend="vllm")
+    assert model.backend._llm is None  # nothing above started the engine
+
+
+def test_moe_routing_on_vllm(model_pool):
+    eager = model_pool.get("qwen3_moe")
+    vllm = model_pool.get("qwen3_moe", "vllm", enable_prompt_embeds=True)
+    tokens = eager.to_tokens(PROMPTS[1])
+    with pytest.raises(CapabilityUnsupported, match="expert_selection"):
+        run_with_cache(vllm, tokens, ["expert_indices.0"])
+    from interp_engine import expert_assignment
+
+    cv = run_with_cache(vllm, tokens, ["router_logits.1"])
+    ce = run_with_cache(eager, tokens, ["router_logits.1", "expert_indices.1", "expert_weights.1"])
+    dense_v = expert_assignment(cv, 1, eager.graph.n_experts, top_k=eager.graph.top_k)
+    torch.testing.assert_close(dense_v, expert_assignment(ce, 1, eager.graph.n_experts), atol=1e-5, rtol=1e-5)
+
+
+def test_lens_runs_where_the_weights_are(pair):
+    eager, vllm = pair
+    tokens = eager.to_tokens(PROMPTS[0])
+    points = [Address("resid_post", layer) for layer in range(eager.n_layers)]
+    lv = vllm.decode_residuals(run_with_cache(vllm, tokens, points))
+    le = eager.decode_residuals(run_with_cache(eager, tokens, points))
+    torch.testing.assert_close(lv, le, atol=5e-5, rtol=1e-5)
+    first = next(generate_stream(vllm, tokens, max_tokens=1, temperature=0.0, n_logprobs=3))
+    assert int(lv[-1, 0, -1].argmax()) == first.token_id
+    assert float(lv[-1, 0, -1].max()) == pytest.approx(first.logprobs[0]["logprob"], abs=1e-5)
