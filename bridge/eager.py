@@ -145,23 +145,6 @@ class EagerBackend:
                     lambda x: apply_op(kind, x, vec, cols, rows))
 
     # ---- running ----------------------------------------------------------------
-    @contextlib.contextmanager
-    def _attention(self, plan: Plan) -> Iterator[None]:
-        """The attention pattern exists only in the eager attention implementation."""
-        if not any(a.name == "pattern" for a in plan.reads):
-            yield
-            return
-        configs = {id(m.config): m.config for m in self.hf.modules()
-                   if hasattr(m, "config") and hasattr(m.config, "_attn_implementation")}
-        saved = {k: c._attn_implementation for k, c in configs.items()}
-        try:
-            for c in configs.values():
-                c._attn_implementation = "eager"
-            yield
-        finally:
-            for k, c in configs.items():
-                c._attn_implementation = saved[k]
-
     def _grad_context(self, detach: bool):
         return torch.no_grad() if detach else contextlib.nullcontext()
 
@@ -169,7 +152,7 @@ class EagerBackend:
                 **inputs):
         with self._lock:
             hooks = self._lower(plan, window, captures, detach)
-            with hooks.active(), self._attention(plan), self._grad_context(detach):
+            with hooks.active(), self._grad_context(detach):
                 out = self.hf(**inputs)
             if captures is not None:
                 captures.windows.append(window)

@@ -133,22 +133,29 @@ class VllmBackend:
 
             if self.graph.n_experts:
                 _ensure_expert_group()
-            threads = torch.get_num_threads()
             self._llm = LLM(**self._kwargs)
-            torch.set_num_threads(threads)  # vLLM's CPU worker rebinds threads; restore ours
             worker = self._llm.llm_engine.model_executor.driver_worker.worker
             self._runner = worker.model_runner
             self._root: nn.Module = self._runner.model
         return self._llm
 
     def close(self) -> None:
-        if self._llm is not None:
-            engine = self._llm.llm_engine
-            shutdown = getattr(engine.engine_core, "shutdown", None)
-            if shutdown is not None:
-                shutdown()
-            self._llm = None
-            self._modules.clear()
+        """Release this engine and its KV cache, leaving other engines in the process working.
+        (vLLM's own shutdown tears down the process-wide parallel state every engine uses.)"""
+        if self._llm is None:
+            return
+        import gc
+
+        client = self._llm.llm_engine.engine_core
+        finalizer = getattr(client, "_finalizer", None)
+        core = getattr(client, "engine_core", None)
+        if finalizer is not None and core is not None:
+            finalizer.detach()
+            core.model_executor.shutdown()
+            core.scheduler.shutdown()
+        self._llm = self._root = self._runner = None
+        self._modules.clear()
+        gc.collect()
 
     def module(self, path: str) -> nn.Module:
         module = self._modules.get(path)

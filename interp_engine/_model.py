@@ -214,12 +214,11 @@ def load_model(name: str | os.PathLike, backend: str = "eager", *, requires_grad
 
         from bridge.eager import EagerBackend
 
-        extra = {}
-        if getattr(config, "attn_logit_softcapping", None):
-            # SDPA silently drops attention-logit soft-capping (Gemma 2): only the eager
-            # kernel computes the model as defined.
-            extra["attn_implementation"] = "eager"
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype, **extra).to(device)
+        # The eager attention kernel everywhere: SDPA silently drops attention-logit
+        # soft-capping (Gemma 2), and only the eager kernel returns the pattern, whose capture
+        # must not change the numbers.
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
+                                                  attn_implementation="eager").to(device)
         hf.eval()
         hf.requires_grad_(requires_grad)
         engine = EagerBackend(hf, spec, graph, requires_grad)

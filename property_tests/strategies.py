@@ -1,0 +1,67 @@
+"""Strategies for what users pass: token sequences, points valid for a model, steering specs,
+sampling parameters, address strings."""
+
+from __future__ import annotations
+
+import torch
+from hypothesis import strategies as st
+
+from interp_engine import POINTS, Address, SteerSpec
+
+
+def token_ids(model, min_size: int = 1, max_size: int = 24):
+    return st.lists(st.integers(0, model.d_vocab - 1), min_size=min_size, max_size=max_size)
+
+
+def token_batches(model, max_batch: int = 3, max_size: int = 16):
+    return st.lists(token_ids(model, 1, max_size), min_size=1, max_size=max_batch)
+
+
+def addresses(model, backend: str | None = None, writable: bool = False):
+    points = [p for p in model.points()
+              if (backend is None or p.served_by(backend)) and (p.writable or not writable)]
+    return st.sampled_from(points).flatmap(
+        lambda p: st.sampled_from(model.graph.layers_of(p.name)).map(lambda layer: Address(p.name, layer)))
+
+
+def vectors(d_model: int, rows: int | None = None):
+    shape = (d_model,) if rows is None else (rows, d_model)
+    return st.integers(0, 2**31 - 1).map(
+        lambda seed: torch.randn(shape, generator=torch.Generator().manual_seed(seed)))
+
+
+@st.composite
+def steer_specs(draw, model, max_ops: int = 3, max_pos: int = 24):
+    spec = SteerSpec()
+    for _ in range(draw(st.integers(1, max_ops))):
+        site = draw(addresses(model, writable=True))
+        op = draw(st.sampled_from(["add", "ablate", "set"]))
+        positions = draw(st.one_of(
+            st.sampled_from(["all", "prompt", "generated"]),
+            st.lists(st.integers(0, max_pos), min_size=1, max_size=3, unique=True).map(tuple)))
+        if op == "add":
+            per_position = isinstance(positions, tuple) and draw(st.booleans())
+            vec = draw(vectors(model.d_model, len(positions) if per_position else None))
+            scale = draw(st.floats(-4.0, 4.0, allow_nan=False))
+            spec = spec | SteerSpec.add(site, vec, scale=scale, positions=positions)
+        elif op == "ablate":
+            spec = spec | SteerSpec.ablate(site, draw(vectors(model.d_model)), positions=positions)
+        else:
+            spec = spec | SteerSpec.set(site, draw(vectors(model.d_model)) * 3, positions=positions)
+    return spec
+
+
+def sampling(max_tokens: int = 8):
+    return st.fixed_dictionaries({
+        "max_tokens": st.integers(1, max_tokens),
+        "temperature": st.sampled_from([0.0, 0.7, 1.0, 1.3]),
+        "top_k": st.sampled_from([0, 1, 5, 50]),
+        "top_p": st.sampled_from([1.0, 0.9, 0.5]),
+        "seed": st.integers(0, 2**16),
+    })
+
+
+def valid_address_strings():
+    names = st.sampled_from(sorted(POINTS))
+    return st.tuples(names, st.integers(0, 200), st.none() | st.integers(0, 8)).map(
+        lambda t: f"{t[0]}.{t[1]}" + (f".{t[2]}" if t[2] is not None and POINTS[t[0]].per_stream else ""))

@@ -1,0 +1,353 @@
+"""The laws: backends agree, capture never changes outputs, steering at scale 0 is the
+identity, steering composes, the lens at the last layer is the logits, expert_assignment is
+the router's top-k, capture_generation rows are a forward over prompt + generated[:-1],
+streamed deltas are the text, seeded sampling repeats, transforms never mutate their inputs,
+addresses round-trip, and refusals happen exactly where the capability table says."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import string
+
+import pytest
+import torch
+from hypothesis import assume, given, strategies as st
+
+from interp_engine import (CAPABILITIES, POINTS, Address, CapabilityUnsupported, SteerSpec,
+                           capture_generation, capture_plan, expert_assignment, format_address,
+                           generate_stream, parse_address, run_with_cache, steer, steer_plan)
+from strategies import addresses, sampling, steer_specs, token_batches, token_ids, valid_address_strings
+
+EAGER_ARCHS = ("qwen3", "llama", "gemma2", "qwen3_moe", "deepseek_v4")
+VLLM_ARCHS = ("qwen3", "llama", "gemma2", "qwen3_moe")
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
+ATOL, RTOL = 3e-5, 1e-5
+
+
+def _logits(model, ids):
+    logits, _ = run_with_cache(model, ids, [], return_logits=True)
+    return logits
+
+
+def _greedy(model, ids, n, **kw):
+    return list(generate_stream(model, ids, max_tokens=n, temperature=0.0, n_logprobs=2, **kw))
+
+
+def _assert_same_greedy(a_steps, b_steps, atol=2e-5):
+    """Equal tokens and logprobs; a divergence is only allowed at a true near-tie."""
+    for a, b in zip(a_steps, b_steps):
+        if a.token_id != b.token_id:
+            top = a.logprobs
+            assert len(top) > 1 and abs(top[0]["logprob"] - top[1]["logprob"]) < 1e-4, \
+                f"tokens diverge ({a.token_id} vs {b.token_id}) without a near-tie: {top}"
+            return
+        assert b.logprob == pytest.approx(a.logprob, abs=atol)
+    assert len(a_steps) == len(b_steps)
+
+
+# ---- backends agree ----------------------------------------------------------------------
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("arch", VLLM_ARCHS)
+def test_backends_agree_on_every_served_point(model_pool, arch):
+    eager, vllm = model_pool.get(arch), model_pool.get(arch, "vllm", enable_prompt_embeds=True)
+
+    @given(ids=token_ids(eager), points=st.lists(addresses(vllm, "vllm"), min_size=1, max_size=4, unique=True))
+    def law(ids, points):
+        ce, cv = run_with_cache(eager, ids, points), run_with_cache(vllm, ids, points)
+        for p in points:
+            torch.testing.assert_close(cv[p], ce[p], atol=ATOL, rtol=RTOL, msg=str(p))
+    law()
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("arch", VLLM_ARCHS)
+def test_backends_agree_on_greedy_tokens_logprobs_and_steering(model_pool, arch):
+    eager, vllm = model_pool.get(arch), model_pool.get(arch, "vllm", enable_prompt_embeds=True)
+
+    @given(ids=token_ids(eager, max_size=12), spec=st.none() | steer_specs(eager), n=st.integers(1, 6))
+    def law(ids, spec, n):
+        if spec is None:
+            _assert_same_greedy(_greedy(eager, ids, n), _greedy(vllm, ids, n))
+            return
+        with steer(eager, spec):
+            se = _greedy(eager, ids, n)
+        with steer(vllm, spec):
+            sv = _greedy(vllm, ids, n)
+        _assert_same_greedy(se, sv, atol=1e-4)
+    law()
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("arch", VLLM_ARCHS)
+def test_capture_generation_rows_equal_across_backends(model_pool, arch):
+    eager, vllm = model_pool.get(arch), model_pool.get(arch, "vllm", enable_prompt_embeds=True)
+
+    @given(ids=token_ids(eager, max_size=10), point=addresses(vllm, "vllm"), n=st.integers(1, 5))
+    def law(ids, point, n):
+        ce_c, ce = capture_generation(eager, ids, [point], max_tokens=n, temperature=0.0)
+        cv_c, cv = capture_generation(vllm, ids, [point], max_tokens=n, temperature=0.0)
+        assume(ce_c.token_ids == cv_c.token_ids)  # a near-tie divergence is covered above
+        torch.testing.assert_close(cv[point], ce[point], atol=ATOL, rtol=RTOL)
+    law()
+
+
+# ---- capture and steering laws (every backend) ----------------------------------------------
+
+def _backends(arch):
+    out = [(arch, "eager")]
+    if arch in VLLM_ARCHS:
+        out.append(pytest.param(arch, "vllm", marks=[needs_vllm, pytest.mark.vllm]))
+    return out
+
+
+ALL_BACKENDS = [b for arch in EAGER_ARCHS for b in _backends(arch)]
+
+
+def _model(model_pool, arch, backend):
+    if backend == "eager":
+        return model_pool.get(arch)
+    return model_pool.get(arch, backend, enable_prompt_embeds=True)
+
+
+@pytest.mark.parametrize("arch,backend", ALL_BACKENDS)
+def test_capture_never_changes_outputs(model_pool, arch, backend):
+    model = _model(model_pool, arch, backend)
+
+    @given(ids=token_ids(model, max_size=12), points=st.lists(addresses(model, backend), min_size=1, max_size=4))
+    def law(ids, points):
+        if backend == "eager":
+            plain = _logits(model, ids)
+            with_capture, _ = run_with_cache(model, ids, points, return_logits=True)
+            assert torch.equal(plain, with_capture)
+        else:
+            plain = _greedy(model, ids, 4)
+            completion, _ = capture_generation(model, ids, points, max_tokens=4, temperature=0.0, n_logprobs=2)
+            assert list(completion.token_ids) == [s.token_id for s in plain]
+            assert list(completion.logprobs) == [s.logprobs for s in plain]
+    law()
+
+
+@pytest.mark.parametrize("arch,backend", ALL_BACKENDS)
+def test_steering_at_scale_zero_is_the_identity(model_pool, arch, backend):
+    model = _model(model_pool, arch, backend)
+
+    @given(ids=token_ids(model, max_size=12), site=addresses(model, writable=True), seed=st.integers(0, 999),
+           positions=st.sampled_from(["all", "prompt", "generated", (0, 2)]))
+    def law(ids, site, seed, positions):
+        v = torch.randn(model.d_model, generator=torch.Generator().manual_seed(seed))
+        spec = SteerSpec.add(site, v, scale=0.0, positions=positions)
+        if backend == "eager":
+            before = _logits(model, ids)
+            with steer(model, spec):
+                inside = _logits(model, ids)
+            assert torch.equal(before, inside)
+        else:
+            before = _greedy(model, ids, 4)
+            with steer(model, spec):
+                inside = _greedy(model, ids, 4)
+            assert [(s.token_id, s.logprobs) for s in before] == [(s.token_id, s.logprobs) for s in inside]
+    law()
+
+
+@pytest.mark.parametrize("arch", EAGER_ARCHS)
+def test_nested_blocks_equal_one_composed_spec_and_unsteer_restores(model_pool, arch):
+    model = model_pool.get(arch)
+    if not any(p.writable for p in model.points()):
+        pytest.skip("no steering sites")
+
+    @given(ids=token_ids(model, max_size=12), a=steer_specs(model, max_ops=2), b=steer_specs(model, max_ops=2))
+    def law(ids, a, b):
+        before = _logits(model, ids)
+        with steer(model, a):
+            with steer(model, b):
+                nested = _logits(model, ids)
+        with steer(model, a | b):
+            composed = _logits(model, ids)
+        after = _logits(model, ids)
+        assert torch.equal(nested, composed)
+        assert torch.equal(before, after)
+    law()
+
+
+def test_exception_inside_steer_restores_exactly(model_pool):
+    model = model_pool.get("qwen3")
+    ids = [5, 6, 7, 8]
+    before = _logits(model, ids)
+    with pytest.raises(RuntimeError):
+        with steer(model, SteerSpec.add("resid_post.0", torch.ones(model.d_model), scale=5.0)):
+            assert not torch.equal(_logits(model, ids), before)
+            raise RuntimeError("boom")
+    assert torch.equal(_logits(model, ids), before)
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.hf.modules())
+
+
+@pytest.mark.parametrize("arch", [a for a in EAGER_ARCHS if a != "deepseek_v4"])
+def test_lens_at_the_last_layer_equals_the_logits(model_pool, arch):
+    model = model_pool.get(arch)
+
+    @given(batch=token_batches(model))
+    def law(batch):
+        tokens = model.batch(batch)
+        last = Address("resid_post", model.n_layers - 1)
+        logits, cache = run_with_cache(model, tokens, [last], return_logits=True)
+        lens = model.decode_residuals(cache)[0]
+        mask = tokens.attention_mask.bool()
+        torch.testing.assert_close(lens[mask], torch.log_softmax(logits, -1)[mask], atol=1e-5, rtol=1e-5)
+    law()
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v4"])
+def test_expert_assignment_is_the_routers_selection(model_pool, arch):
+    model = model_pool.get(arch)
+    g = model.graph
+
+    @given(ids=token_ids(model), layer=st.sampled_from(g.moe_layers))
+    def law(ids, layer):
+        points = [Address(n, layer) for n in ("router_logits", "expert_indices", "expert_weights")]
+        cache = run_with_cache(model, ids, points)
+        dense = expert_assignment(cache, layer, g.n_experts)
+        idx, w = cache[points[1]], cache[points[2]]
+        assert torch.equal((dense != 0).sum(-1), torch.full(idx.shape[:-1], g.top_k))
+        torch.testing.assert_close(dense.gather(-1, idx), w)
+        if arch == "qwen3_moe":  # softmax top-k, renormalised (norm_topk_prob)
+            probs = torch.softmax(cache[points[0]], -1)
+            top = torch.topk(probs, g.top_k, -1)
+            assert torch.equal(torch.sort(top.indices, -1).values, torch.sort(idx, -1).values)
+            torch.testing.assert_close(
+                expert_assignment(cache.__class__({points[0]: cache[points[0]]}), layer, g.n_experts,
+                                  top_k=g.top_k), dense, atol=1e-6, rtol=1e-5)
+    law()
+
+
+@pytest.mark.parametrize("arch,backend", ALL_BACKENDS)
+def test_capture_generation_rows_are_a_forward_over_prompt_and_generated(model_pool, arch, backend):
+    model = _model(model_pool, arch, backend)
+
+    @given(ids=token_ids(model, max_size=10), point=addresses(model, backend), params=sampling(6))
+    def law(ids, point, params):
+        completion, cache = capture_generation(model, ids, [point], **params)
+        fed = list(ids) + list(completion.token_ids[:-1])
+        assert cache[point].shape[2 if point.name == "pattern" else 1] == len(fed)
+        reference = run_with_cache(model, fed, [point])
+        torch.testing.assert_close(cache[point], reference[point], atol=ATOL, rtol=RTOL)
+    law()
+
+
+@pytest.mark.parametrize("arch,backend", ALL_BACKENDS)
+def test_deltas_join_to_the_text_and_seeded_sampling_repeats(model_pool, arch, backend):
+    model = _model(model_pool, arch, backend)
+
+    @given(ids=token_ids(model, max_size=10), params=sampling(10))
+    def law(ids, params):
+        params = {k: v for k, v in params.items()}
+
+        async def go():
+            text = await model.generate_text(ids, **params)
+            deltas = [d async for d in model.generate_stream(ids, **params)]
+            return text, deltas
+        text, deltas = asyncio.run(go())
+        assert "".join(deltas) == text
+        first = [s.token_id for s in generate_stream(model, ids, **params)]
+        again = [s.token_id for s in generate_stream(model, ids, **params)]
+        assert first == again
+        assert model.to_string(first) == text
+    law()
+
+
+# ---- pure-data laws -----------------------------------------------------------------------
+
+def _snapshot(spec: SteerSpec):
+    return [(op.address, op.op, op.vector.clone(), op.scale, op.positions) for op in spec.ops]
+
+
+def _same(a, b) -> bool:
+    return all(x[:2] == y[:2] and torch.equal(x[2], y[2]) and x[3:] == y[3:] for x, y in zip(a, b)) and len(a) == len(b)
+
+
+@pytest.mark.parametrize("arch", EAGER_ARCHS)
+def test_transforms_never_mutate_their_inputs(model_pool, arch):
+    model = model_pool.get(arch)
+
+    @given(ids=token_ids(model), points=st.lists(addresses(model), min_size=1, max_size=4),
+           spec=steer_specs(model) if any(p.writable for p in model.points()) else st.just(SteerSpec()))
+    def law(ids, points, spec):
+        graph_before = model.graph
+        points_before = list(points)
+        spec_before = _snapshot(spec)
+        ids_before = list(ids)
+        plan = capture_plan(model.graph, points) | steer_plan(model.graph, spec, model.dtype)
+        assert points == points_before and _same(_snapshot(spec), spec_before)
+        assert model.graph is graph_before and model.graph == graph_before
+        combined = spec | spec
+        assert _same(_snapshot(spec), spec_before) and len(combined.ops) == 2 * len(spec.ops)
+        cache = run_with_cache(model, ids, points)
+        copies = {a: t.clone() for a, t in cache.items()}
+        moved = cache.to("cpu")
+        if model.residual_basis.lens_valid and any(a.name == "resid_post" for a in cache):
+            model.decode_residuals(cache)
+        for layer in model.graph.moe_layers[:1]:
+            c2 = run_with_cache(model, ids, [f"expert_indices.{layer}", f"expert_weights.{layer}"])
+            kept = {a: t.clone() for a, t in c2.items()}
+            expert_assignment(c2, layer, model.graph.n_experts)
+            assert all(torch.equal(kept[a], c2[a]) for a in kept)
+        assert all(torch.equal(copies[a], cache[a]) for a in copies) and list(moved) == list(cache)
+        assert ids == ids_before and plan.reads == tuple(dict.fromkeys(model.graph.check_address(p) for p in points))
+    law()
+
+
+@given(text=valid_address_strings())
+def test_address_parse_format_round_trips(text):
+    address = parse_address(text)
+    assert format_address(address) == text
+    assert parse_address(format_address(address)) == address
+    assert hash(address) == hash(parse_address(text))
+
+
+@given(text=st.text(alphabet=string.ascii_letters + string.digits + "._- ", max_size=20))
+def test_every_invalid_address_string_raises(text):
+    try:
+        address = parse_address(text)
+    except ValueError as exc:
+        assert repr(text) in str(exc) or text in str(exc)
+        return
+    assert format_address(address) == text  # it parsed, so it must be canonical
+
+
+@pytest.mark.parametrize("arch,backend", ALL_BACKENDS)
+def test_refusals_happen_exactly_where_the_table_says(model_pool, arch, backend):
+    model = _model(model_pool, arch, backend)
+    tokens = [3, 4, 5]
+    for point in model.points():
+        address = Address(point.name, model.graph.layers_of(point.name)[0])
+        if point.served_by(backend):
+            run_with_cache(model, tokens, [address])
+            continue
+        with pytest.raises(CapabilityUnsupported) as info:
+            run_with_cache(model, tokens, [address])
+        capability = CAPABILITIES[info.value.capability]
+        assert not capability.served_by(backend) and capability.served_by("eager")
+        assert info.value.capability == (POINTS[point.name].capability or "vllm_architecture")
+    for name in ("gradients", "batched_prompts", "logits_in_stream"):
+        if CAPABILITIES[name].served_by(backend):
+            continue
+        with pytest.raises(CapabilityUnsupported):
+            if name == "gradients":
+                run_with_cache(model, tokens, ["resid_post.0"], detach=False)
+            elif name == "batched_prompts":
+                run_with_cache(model, [tokens, tokens[:2]], ["resid_post.0"])
+            else:
+                run_with_cache(model, tokens, ["resid_post.0"], return_logits=True)
+
+
+def test_vllm_static_is_refused_by_name():
+    from interp_engine import load_model
+    from interp_engine.testing import tiny_model
+
+    with pytest.raises(CapabilityUnsupported) as info:
+        load_model(tiny_model("qwen3"), backend="vllm-static", static_points="auto")
+    assert info.value.capability == "static_graph" and not CAPABILITIES["static_graph"].backends
