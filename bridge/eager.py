@@ -213,6 +213,9 @@ class EagerBackend:
         """Greedy or sampled decoding with the KV cache; one hooked forward per step."""
         from transformers import DynamicCache
 
+        if embeds is not None and "hash_moe" in (getattr(self.hf.config, "mlp_layer_types", None) or ()):
+            raise ValueError(f"{self.graph.arch} routes its hash-MoE layers by token id, so it cannot "
+                             "generate from prompt embeddings: pass token ids instead")
         generator = None
         if not config.greedy:
             generator = torch.Generator(device="cpu")

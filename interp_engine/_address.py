@@ -6,6 +6,7 @@ Layer ranges depend on a model, so they are checked by ``ModelGraph.check_addres
 
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass
 from typing import Union
@@ -21,9 +22,11 @@ def _valid_names() -> str:
     return ", ".join(sorted(POINTS))
 
 
-@dataclass(frozen=True, order=True)
+@functools.total_ordering
+@dataclass(frozen=True)
 class Address:
-    """One point: ``Address("resid_post", 10)`` or ``Address("resid_streams", 5, 2)``."""
+    """One point: ``Address("resid_post", 10)`` or ``Address("resid_streams", 5, 2)``.
+    Ordered by name, layer, then stream (the whole stack before its single streams)."""
 
     name: str
     layer: int
@@ -59,6 +62,15 @@ class Address:
 
     def __str__(self) -> str:
         return format_address(self)
+
+    def __lt__(self, other: object) -> bool:
+        if not isinstance(other, Address):
+            return NotImplemented
+        return _order_key(self) < _order_key(other)
+
+
+def _order_key(a: Address) -> tuple:
+    return (a.name, a.layer, -1 if a.stream is None else a.stream)
 
 
 AddressLike = Union[Address, str, tuple]

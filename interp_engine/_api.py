@@ -41,6 +41,9 @@ def steer(model: Model, spec: SteerSpec) -> Iterator[SteerSpec]:
     """Apply ``spec`` to everything run on ``model`` inside the block. Nested blocks compose
     (outer ops first). The model itself is never modified: hooks exist only during each
     forward, so leaving the block (or an exception in it) leaves the model exactly as it was."""
+    if not isinstance(spec, SteerSpec):
+        raise TypeError(f"steer takes a SteerSpec, got {type(spec).__name__}: build one with "
+                        "SteerSpec.add / .ablate / .set")
     steer_plan(model.graph, spec, model.dtype)  # raise now, before any forward
     _check_writes(model, Plan(writes=spec.ops))
     token = _ACTIVE.set(_ACTIVE.get() + ((id(model), spec),))

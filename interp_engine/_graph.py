@@ -88,12 +88,7 @@ class ModelGraph:
         )
 
     def layers_of(self, name: str) -> tuple[int, ...]:
-        spec = self.point(name)
-        if spec.kind == "moe":
-            return self.moe_layers
-        if spec.kind == "mlp":
-            return tuple(i for i in range(self.n_layers) if i not in self.moe_layers)
-        return tuple(range(self.n_layers))
+        return self._layers_of_kind(self.point(name).kind)
 
     def check_address(self, value: AddressLike) -> Address:
         """Return the Address if it exists on this model; otherwise raise naming what is valid."""
@@ -128,7 +123,18 @@ class ModelGraph:
         return tuple(sizes[d] for d in dims)
 
     def with_points(self, table: tuple[PointSpec, ...]) -> "ModelGraph":
-        return replace(self, point_table=table)
+        """This graph serving ``table``, less the points it has at no layer (the dense-MLP
+        points on an all-MoE model, the MoE points on a dense one)."""
+        kept = tuple(p for p in table
+                     if p.kind not in ("moe", "mlp") or self._layers_of_kind(p.kind))
+        return replace(self, point_table=kept)
+
+    def _layers_of_kind(self, kind: str) -> tuple[int, ...]:
+        if kind == "moe":
+            return self.moe_layers
+        if kind == "mlp":
+            return tuple(i for i in range(self.n_layers) if i not in self.moe_layers)
+        return tuple(range(self.n_layers))
 
     def describe(self) -> str:
         moe = f", {self.n_experts} experts top-{self.top_k}" if self.n_experts else ""

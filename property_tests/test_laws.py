@@ -23,6 +23,9 @@ EAGER_ARCHS = ("qwen3", "llama", "gemma2", "qwen3_moe", "deepseek_v4")
 VLLM_ARCHS = ("qwen3", "llama", "gemma2", "qwen3_moe")
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 ATOL, RTOL = 3e-5, 1e-5
+# Gemma 2 on vLLM's CPU attention kernel: with attention-logit soft-capping on, rare elements
+# differ from eager by up to ~6e-5 (measured; <= 8e-6 with soft-capping off), so it gets 1e-4.
+VLLM_ATOL = {"gemma2": 1e-4}
 
 
 def _logits(model, ids):
@@ -58,7 +61,7 @@ def test_backends_agree_on_every_served_point(model_pool, arch):
     def law(ids, points):
         ce, cv = run_with_cache(eager, ids, points), run_with_cache(vllm, ids, points)
         for p in points:
-            torch.testing.assert_close(cv[p], ce[p], atol=ATOL, rtol=RTOL, msg=str(p))
+            torch.testing.assert_close(cv[p], ce[p], atol=VLLM_ATOL.get(arch, ATOL), rtol=RTOL, msg=str(p))
     law()
 
 
@@ -92,7 +95,7 @@ def test_capture_generation_rows_equal_across_backends(model_pool, arch):
         ce_c, ce = capture_generation(eager, ids, [point], max_tokens=n, temperature=0.0)
         cv_c, cv = capture_generation(vllm, ids, [point], max_tokens=n, temperature=0.0)
         assume(ce_c.token_ids == cv_c.token_ids)  # a near-tie divergence is covered above
-        torch.testing.assert_close(cv[point], ce[point], atol=ATOL, rtol=RTOL)
+        torch.testing.assert_close(cv[point], ce[point], atol=VLLM_ATOL.get(arch, ATOL), rtol=RTOL)
     law()
 
 

@@ -21,6 +21,13 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vll
 
 PROMPTS = ("The capital of France is", "Once upon a time, in a land far away, there lived a café owner")
 ATOL, RTOL = 3e-5, 1e-5
+# Gemma 2 on vLLM's CPU attention kernel: with attention-logit soft-capping on, rare elements
+# differ from eager by up to ~6e-5 (measured; <= 8e-6 with soft-capping off).
+GEMMA2_ATOL = 1e-4
+
+
+def _atol(model):
+    return GEMMA2_ATOL if model.graph.arch == "gemma2" else ATOL
 
 
 @pytest.fixture(params=VLLM_ARCHS)
@@ -42,7 +49,7 @@ def test_every_served_point_equals_eager(pair):
         ce, cv = run_with_cache(eager, tokens, points), run_with_cache(vllm, tokens, points)
         for address in points:
             assert cv[address].shape == ce[address].shape, address
-            torch.testing.assert_close(cv[address], ce[address], atol=ATOL, rtol=RTOL, msg=str(address))
+            torch.testing.assert_close(cv[address], ce[address], atol=_atol(eager), rtol=RTOL, msg=str(address))
 
 
 def test_greedy_tokens_and_logprobs_equal(pair):
@@ -118,7 +125,7 @@ def test_capture_generation_rows_equal_eager(pair):
     n = tokens.shape[1] + len(cv_completion.token_ids) - 1
     for point in points:
         assert cv[point].shape[1] == n
-        torch.testing.assert_close(cv[point], ce[point], atol=ATOL, rtol=RTOL, msg=point)
+        torch.testing.assert_close(cv[point], ce[point], atol=_atol(eager), rtol=RTOL, msg=point)
 
 
 def test_prompt_embeds_give_the_same_tokens_as_ids(pair):

@@ -1,0 +1,197 @@
+"""Independent references for the eager suite, written against the Hugging Face modules
+directly (never through interp_engine's specs or bridge): hand-written forward hooks on the
+transformers submodules, hook counting, and forward counting.
+
+Imported by the test modules as ``tests._reference`` (tests/ is a package, so pytest's default
+import mode puts the repository root on sys.path).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Callable, Iterator
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from interp_engine import Address
+
+PROMPT = "The quick brown fox jumps over the lazy dog."
+PROMPTS = ("Paris is the capital of France, and Berlin is", "Hi there")
+
+
+def hook_count(hf: nn.Module) -> int:
+    """Every forward and forward-pre hook registered anywhere in the model."""
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in hf.modules())
+
+
+@contextlib.contextmanager
+def count_forwards(hf: nn.Module) -> Iterator[list[int]]:
+    """Count top-level forwards of ``hf`` (and the input length of each) while the block runs."""
+    calls: list[int] = []
+
+    def pre(mod, args, kwargs):
+        ids = kwargs.get("input_ids")
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        if ids is None and args:
+            ids = args[0]
+        calls.append(int(ids.shape[1]) if ids is not None else -1)
+
+    handle = hf.register_forward_pre_hook(pre, with_kwargs=True)
+    try:
+        yield calls
+    finally:
+        handle.remove()
+
+
+def all_addresses(model) -> list[Address]:
+    """Every Address that exists on ``model`` (every point at every layer it has)."""
+    out = []
+    for spec in model.points():
+        for layer in model.graph.layers_of(spec.name):
+            out.append(Address(spec.name, layer))
+    return out
+
+
+@contextlib.contextmanager
+def _hooks() -> Iterator[Callable]:
+    handles = []
+
+    def add(module: nn.Module, fn: Callable, pre: bool = False) -> None:
+        if pre:
+            handles.append(module.register_forward_pre_hook(fn, with_kwargs=True))
+        else:
+            handles.append(module.register_forward_hook(fn))
+
+    try:
+        yield add
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def _first_input(args, kwargs):
+    return args[0] if args else kwargs["hidden_states"]
+
+
+@torch.no_grad()
+def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Tensor]:
+    """Run ``model.hf`` once on ``ids`` [1, pos] with hand-written hooks and return
+    ``(name, layer) -> tensor`` for every point but ``pattern`` (see ``reference_outputs``)."""
+    hf = model.hf
+    arch = model.graph.arch
+    n_heads, n_kv, d_head = model.graph.n_heads, model.graph.n_kv_heads, model.graph.d_head
+    got: dict[tuple[str, int], torch.Tensor] = {}
+    b, p = ids.shape
+
+    def put(key):
+        def hook(mod, args, out):
+            got[key] = out
+        return hook
+
+    def put_out0(key):
+        def hook(mod, args, out):
+            got[key] = out[0]
+        return hook
+
+    def put_in(key):
+        def pre(mod, args, kwargs):
+            got[key] = _first_input(args, kwargs)
+        return pre
+
+    with _hooks() as add:
+        for L, layer in enumerate(hf.model.layers):
+            add(layer, put_in(("resid_pre", L)), pre=True)
+            add(layer, put(("resid_post", L)))
+            attn = layer.self_attn
+            if arch == "gemma2":
+                add(layer.post_attention_layernorm, put(("attn_out", L)))
+                add(layer.pre_feedforward_layernorm, put_in(("resid_mid", L)), pre=True)
+                add(layer.post_feedforward_layernorm, put(("mlp_out", L)))
+                add(attn.o_proj, put(("o_proj_out", L)))
+            elif arch == "deepseek_v4":
+                add(attn, put_out0(("attn_out", L)))
+                add(layer.ffn_hc, put_in(("resid_mid", L)), pre=True)
+                add(layer.mlp, put(("mlp_out", L)))
+            else:
+                add(attn, put_out0(("attn_out", L)))
+                add(layer.post_attention_layernorm, put_in(("resid_mid", L)), pre=True)
+                add(layer.mlp, put(("mlp_out", L)))
+            if arch != "deepseek_v4":
+                add(attn.q_proj, put(("q_proj", L)))
+                add(attn.k_proj, put(("k_proj", L)))
+                add(attn.v_proj, put(("v_proj", L)))
+                add(attn.o_proj, put_in(("o_proj_in", L)), pre=True)
+            if arch in ("qwen3_moe", "deepseek_v4"):
+                add(layer.mlp.gate, put_in(("gate_in", L)), pre=True)
+                add(layer.mlp.gate, put(("gate_out", L)))
+            else:
+                add(layer.mlp.gate_proj, put(("gate_proj", L)))
+                add(layer.mlp.up_proj, put(("up_proj", L)))
+        out = hf(input_ids=ids)
+
+    ref: dict[tuple[str, int], torch.Tensor] = {}
+    for L, layer in enumerate(hf.model.layers):
+        for name in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"):
+            ref[(name, L)] = got[(name, L)]
+        if arch != "deepseek_v4":
+            attn = layer.self_attn
+            q = got[("q_proj", L)].view(b, p, n_heads, d_head)
+            k = got[("k_proj", L)].view(b, p, n_kv, d_head)
+            if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before rotary
+                q, k = attn.q_norm(q), attn.k_norm(k)
+            ref[("q", L)], ref[("k", L)] = q, k
+            ref[("v", L)] = got[("v_proj", L)].view(b, p, n_kv, d_head)
+            ref[("z", L)] = got[("o_proj_in", L)].view(b, p, n_heads, d_head)
+            ref[("o_proj_out", L)] = got.get(("o_proj_out", L))
+        if arch in ("qwen3_moe", "deepseek_v4"):
+            gate = layer.mlp.gate
+            logits, weights, indices = got[("gate_out", L)]
+            ref[("router_logits", L)] = logits.reshape(b, p, -1)
+            if arch == "qwen3_moe":
+                # Recompute the router from its input: softmax, top-k, renormalise.
+                x = got[("gate_in", L)].reshape(-1, gate.weight.shape[1])
+                mine = F.linear(x, gate.weight).reshape(b, p, -1)
+                torch.testing.assert_close(mine, ref[("router_logits", L)], rtol=1e-5, atol=1e-5)
+                probs = torch.softmax(mine.float(), dim=-1)
+                top_w, top_i = torch.topk(probs, gate.top_k, dim=-1)
+                if gate.norm_topk_prob:
+                    top_w = top_w / top_w.sum(dim=-1, keepdim=True)
+                ref[("expert_indices", L)] = top_i
+                ref[("expert_weights", L)] = top_w.to(mine.dtype)
+            else:
+                ref[("expert_indices", L)] = indices.reshape(b, p, -1)
+                ref[("expert_weights", L)] = weights.reshape(b, p, -1)
+                if getattr(layer.mlp, "is_hash", False):
+                    # Hash routing: the selection is a fixed lookup of the token ids.
+                    assert torch.equal(ref[("expert_indices", L)], gate.tid2eid[ids].long())
+            ref[("resid_streams", L)] = got[("resid_post", L)]
+        else:
+            act = layer.mlp.act_fn
+            ref[("mlp_pre", L)] = got[("gate_proj", L)]
+            ref[("mlp_act", L)] = act(got[("gate_proj", L)]) * got[("up_proj", L)]
+    ref["logits"] = out.logits  # type: ignore[index]
+    return ref
+
+
+@torch.no_grad()
+def reference_outputs(hf_copy: nn.Module, ids: torch.Tensor, with_attentions: bool = True):
+    """``(hidden_states, attentions)`` as HF itself reports them, from a separate HF copy:
+    ``output_hidden_states`` / ``output_attentions`` leave transformers' recording hooks on a
+    model for good, so they are never asked of the shared models."""
+    out = hf_copy(input_ids=ids, output_hidden_states=True, output_attentions=with_attentions)
+    return out.hidden_states, out.attentions
+
+
+def add_at_output(module: nn.Module, delta_fn: Callable[[torch.Tensor], torch.Tensor], index=None):
+    """A hand-written steering hook: ``out + delta_fn(out)`` at a module's output (element
+    ``index`` of a tuple output)."""
+    def hook(mod, args, out):
+        if index is None:
+            return out + delta_fn(out)
+        items = list(out)
+        items[index] = items[index] + delta_fn(items[index])
+        return tuple(items)
+    return module.register_forward_hook(hook)
