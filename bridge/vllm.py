@@ -500,6 +500,8 @@ class VllmBackend:
         try:
             while True:
                 out = await queue.get()
+                if isinstance(out, BaseException):
+                    raise RuntimeError("the vLLM engine step failed") from out
                 for raw in self._raw_steps(out, config.n_logprobs):
                     yield raw
                 if out.finished:
@@ -512,12 +514,23 @@ class VllmBackend:
             return
 
         async def drive() -> None:
-            while True:
+            try:
+                while True:
+                    with self._lock:
+                        busy = bool(self._requests)
+                    if not busy:
+                        return
+                    # Step in this thread: vLLM's CPU attention kernel checks that a batch runs
+                    # with the OpenMP thread count it was planned with, which a worker thread
+                    # does not share. A step takes milliseconds; consumers run in between.
+                    self._step()
+                    await asyncio.sleep(0)
+            except BaseException as exc:  # a failed step fails every waiting request, loudly
                 with self._lock:
-                    busy = bool(self._requests)
-                if not busy:
-                    return
-                await asyncio.to_thread(self._step)
+                    waiting = list(self._requests.values())
+                for request in waiting:
+                    request.sink(exc)
+                raise
 
         self._driver = loop.create_task(drive())
 

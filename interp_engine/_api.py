@@ -137,9 +137,8 @@ class _TextDeltas:
         text = self.model.tok.to_string(self.ids)
         if not last and text.endswith("\ufffd"):
             return ""
-        if not text.startswith(self.emitted):  # decoding is not prefix-stable here: resync
-            delta, self.emitted = text[len(self.emitted):], text
-            return delta
+        # Byte-level decoding is prefix-stable once no character is pending, so the delta is
+        # the new tail; the deltas join to the decoded text of all generated ids.
         delta = text[len(self.emitted):]
         self.emitted = text
         return delta

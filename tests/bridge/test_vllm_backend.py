@@ -21,13 +21,16 @@ pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vll
 
 PROMPTS = ("The capital of France is", "Once upon a time, in a land far away, there lived a café owner")
 ATOL, RTOL = 3e-5, 1e-5
-# Gemma 2 on vLLM's CPU attention kernel: with attention-logit soft-capping on, rare elements
-# differ from eager by up to ~6e-5 (measured; <= 8e-6 with soft-capping off).
-GEMMA2_ATOL = 1e-4
 
 
-def _atol(model):
-    return GEMMA2_ATOL if model.graph.arch == "gemma2" else ATOL
+def assert_close_scaled(actual, expected, tol=1e-5, msg=""):
+    """fp32 agreement relative to the tensor's scale: vLLM's fused kernels reduce in another
+    order than HF, so an element of a residual of norm ~40 (Gemma 2's sandwich norms) differs
+    by ~1e-4 while the worst element relative to the largest is ~4e-6."""
+    assert actual.shape == expected.shape, msg
+    scale = max(1.0, float(expected.abs().max()))
+    err = float((actual - expected).abs().max())
+    assert err <= tol * scale, f"{msg}: max |diff| {err:.3g} > {tol} x scale {scale:.3g}"
 
 
 @pytest.fixture(params=VLLM_ARCHS)
@@ -49,7 +52,7 @@ def test_every_served_point_equals_eager(pair):
         ce, cv = run_with_cache(eager, tokens, points), run_with_cache(vllm, tokens, points)
         for address in points:
             assert cv[address].shape == ce[address].shape, address
-            torch.testing.assert_close(cv[address], ce[address], atol=_atol(eager), rtol=RTOL, msg=str(address))
+            assert_close_scaled(cv[address], ce[address], msg=str(address))
 
 
 def test_greedy_tokens_and_logprobs_equal(pair):
@@ -111,7 +114,7 @@ def test_steered_capture_equals_eager(pair):
         with steer(vllm, spec):
             cv = run_with_cache(vllm, tokens, points)
         for address in points:
-            torch.testing.assert_close(cv[address], ce[address], atol=1e-4, rtol=1e-5, msg=f"{name} {address}")
+            assert_close_scaled(cv[address], ce[address], tol=2e-5, msg=f"{name} {address}")
 
 
 def test_capture_generation_rows_equal_eager(pair):
@@ -125,7 +128,7 @@ def test_capture_generation_rows_equal_eager(pair):
     n = tokens.shape[1] + len(cv_completion.token_ids) - 1
     for point in points:
         assert cv[point].shape[1] == n
-        torch.testing.assert_close(cv[point], ce[point], atol=_atol(eager), rtol=RTOL, msg=point)
+        assert_close_scaled(cv[point], ce[point], msg=point)
 
 
 def test_prompt_embeds_give_the_same_tokens_as_ids(pair):
