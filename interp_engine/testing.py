@@ -17,33 +17,50 @@ them afterwards::
 (``DeepseekV4ForCausalLM``).  Every architecture has the ``"tiny"`` variant
 (3 layers, hidden size 128, 4 query heads and fewer KV heads of size 32,
 float32); ``qwen3`` also has ``"bench"``, a random Qwen3 of about 26M
-parameters for benchmarks.  ``tiny_config(arch, variant)`` returns the
-configuration without building anything.
+parameters (hidden 512, 8 layers, 8 heads of 64) for benchmarks.
+``tiny_config(arch, variant)`` returns the configuration without building
+anything.
 
 Each directory holds the real config and model classes' ``save_pretrained``
-output (safetensors, float32, weights drawn after ``torch.manual_seed`` of a
-fixed per-architecture seed, with an ``initializer_range`` large enough that
-greedy decoding does not sit on near-ties), a ``generation_config.json`` with
-greedy defaults, and a byte-level BPE tokenizer of 512 tokens trained with the
+output (safetensors, float32), a ``generation_config.json`` with greedy
+defaults, and a byte-level BPE tokenizer of 512 tokens trained with the
 ``tokenizers`` library on a fixed built-in corpus (``decode(encode(s)) == s``
 for any text; rare multi-byte characters span several tokens).
-``<|endoftext|>`` is the EOS and padding token; ``<bos>`` is prepended
-automatically for ``llama`` and ``gemma2`` only.
+``<|endoftext|>`` (id 0) is the EOS and padding token; ``<bos>`` (id 1) is
+prepended automatically for ``llama`` and ``gemma2`` only.
+
+Weights are the classes' own random initialization after ``torch.manual_seed``
+of a fixed per-recipe seed (the caller's RNG state is left untouched), with an
+``initializer_range`` of 0.1 (0.05 for ``bench``) so that greedy decoding does
+not sit on near-ties (top-1/top-2 logit margins are typically ~0.2).  Tensors
+that the classes initialize to a constant (norm weights; DeepSeek-V4's
+attention sinks, compressor position biases, hyper-connection bases/scales and
+router correction biases) get N(0, 0.2) added, and DeepSeek-V4's hash-routing
+table (all zeros at init) gets distinct random experts per token, so a backend
+that ignores any of them does not match by accident.  ``gemma2`` ties its LM
+head to the embeddings, as the real model and vLLM's implementation do; to
+keep its greedy decoding from repeating the last token, its embedding is
+scaled by 0.2 and its post-sublayer and final norm gains are raised.  Note
+that transformers' default ``sdpa`` attention silently drops Gemma2's
+``attn_logit_softcapping``; load it with ``attn_implementation="eager"`` to
+match vLLM (which applies it) beyond ~1e-2.
 
 Directories live under ``root``: by default ``$INTERP_ENGINE_CACHE`` if set,
 else ``~/.cache/interp_engine``.  A directory is named
 ``tiny-<arch>-<variant>-<hash>``, where the hash covers the full config, the
-tokenizer recipe, the seed, ``FORMAT_VERSION`` and the torch/transformers
-versions, so any change to the recipe yields a new directory.  A build is
-written to a temporary directory beside its destination and moved into place
-with ``os.replace`` while holding an ``fcntl.flock`` lock, so concurrent
-processes (e.g. pytest workers) neither race nor see half-written models.
-Builds are deterministic: the same call writes the same bytes.
+tokenizer recipe, the seed and weight tweaks, ``FORMAT_VERSION`` and the
+torch/transformers versions, so any change to the recipe yields a new
+directory.  A build is written to a temporary directory beside its destination
+and moved into place with ``os.replace`` while holding an ``fcntl.flock`` lock
+on ``.<name>.lock``, so concurrent processes (e.g. pytest workers) neither race
+nor see half-written models.  Builds are deterministic: the same call writes
+the same bytes.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import fcntl
 import hashlib
 import json
@@ -52,7 +69,6 @@ import pathlib
 import shutil
 import tempfile
 from collections.abc import Iterator, Mapping
-from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -61,7 +77,11 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 __all__ = [
+    "BOS_TOKEN",
+    "BOS_TOKEN_ID",
     "CACHE_ENV_VAR",
+    "EOS_TOKEN",
+    "EOS_TOKEN_ID",
     "FORMAT_VERSION",
     "TINY_ARCHS",
     "TINY_VARIANTS",
@@ -93,12 +113,11 @@ _SPECIAL_TOKENS = (EOS_TOKEN, BOS_TOKEN)  # trained in this order: ids 0 and 1
 # --------------------------------------------------------------------------- recipes
 
 
-GEMMA_GAIN = float(os.environ.get("_GG", "4.0"))  # TEMP
-NORM_WEIGHT_JITTER = float(os.environ.get("_NJ", "0.2"))  # TEMP
-"""Std of the noise added to every RMSNorm weight, so that a backend dropping a norm weight shows."""
+_CONSTANT_JITTER = 0.2
+"""Std of the noise added to tensors that the model classes initialize to a constant."""
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _Recipe:
     """Everything that determines one model directory's contents."""
 
@@ -109,13 +128,16 @@ class _Recipe:
     adds_bos: bool
     config: Mapping[str, Any]
     norm_offsets: Mapping[str, float]
-    """Added to the weights of the norms with these attribute names, on top of the jitter."""
+    """Added to the parameters whose names end with these keys, after the jitter."""
+    embedding_scale: float
+    """Multiplies the input embedding matrix after initialization."""
 
 
 def _recipe(arch: str, variant: str, config_class: str, seed: int, adds_bos: bool,
-            config: Mapping[str, Any], norm_offsets: Mapping[str, float] | None = None) -> _Recipe:
-    return _Recipe(arch, variant, config_class, seed, adds_bos,
-                   MappingProxyType(dict(config)), MappingProxyType(dict(norm_offsets or {})))
+            config: Mapping[str, Any], *, norm_offsets: Mapping[str, float] | None = None,
+            embedding_scale: float = 1.0) -> _Recipe:
+    return _Recipe(arch, variant, config_class, seed, adds_bos, MappingProxyType(dict(config)),
+                   MappingProxyType(dict(norm_offsets or {})), embedding_scale)
 
 
 _TINY_SHAPE: Mapping[str, Any] = MappingProxyType({
@@ -149,10 +171,15 @@ _RECIPES: Mapping[tuple[str, str], _Recipe] = MappingProxyType({
                 "attn_logit_softcapping": 50.0,
                 "final_logit_softcapping": 30.0,
             },
-            # With tied, sqrt(hidden)-scaled embeddings, each token's own embedding dominates
-            # the residual stream at random init and greedy decoding repeats the last token.
-            # Larger post-sublayer norm gains (Gemma norms scale by 1 + weight) fix that.
-            norm_offsets={"post_attention_layernorm": GEMMA_GAIN, "post_feedforward_layernorm": GEMMA_GAIN},
+            # With tied, sqrt(hidden)-scaled embeddings, a token's own embedding dominates the
+            # residual stream at random init and greedy decoding mostly repeats the last token.
+            # A smaller embedding, larger post-sublayer gains (Gemma norms scale by 1 + weight)
+            # and a larger final-norm gain (to keep logit margins) make decoding vary.
+            # (Gains of 5 keep the residual stream's RMS near 10, float32 error near 1e-5.)
+            norm_offsets={"post_attention_layernorm.weight": 4.0,
+                          "post_feedforward_layernorm.weight": 4.0,
+                          "model.norm.weight": 3.0},
+            embedding_scale=0.2,
         ),
         _recipe(
             "qwen3_moe", "tiny", "Qwen3MoeConfig", 4, False,
@@ -297,7 +324,7 @@ def _corpus() -> tuple[str, ...]:
     return _CORPUS_SENTENCES * 3 + numbers
 
 
-@dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True)
 class _TokenizerRecipe:
     vocab_size: int
     special_tokens: tuple[str, ...]
@@ -327,7 +354,8 @@ def _train_tokenizer(adds_bos: bool) -> Tokenizer:
             f"expected {TOKENIZER_VOCAB_SIZE}")
     for token, expected in ((EOS_TOKEN, EOS_TOKEN_ID), (BOS_TOKEN, BOS_TOKEN_ID)):
         if tokenizer.token_to_id(token) != expected:
-            raise RuntimeError(f"{token} got id {tokenizer.token_to_id(token)}, expected {expected}")
+            raise RuntimeError(
+                f"{token} got id {tokenizer.token_to_id(token)}, expected {expected}")
     if adds_bos:
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{BOS_TOKEN} $A",
@@ -366,10 +394,11 @@ def _directory_name(recipe: _Recipe, config: transformers.PretrainedConfig) -> s
         "arch": recipe.arch,
         "variant": recipe.variant,
         "seed": recipe.seed,
-        "norm_jitter": NORM_WEIGHT_JITTER, "TEMP": os.environ.get("_ES", "1.0"),
+        "constant_jitter": _CONSTANT_JITTER,
+        "embedding_scale": recipe.embedding_scale,
         "norm_offsets": dict(recipe.norm_offsets),
         "config": config_dict,
-        "tokenizer": _tokenizer_recipe(recipe.adds_bos).__dict__,
+        "tokenizer": dataclasses.asdict(_tokenizer_recipe(recipe.adds_bos)),
         "transformers": transformers.__version__,
         "torch": torch.__version__,
     }
@@ -378,12 +407,12 @@ def _directory_name(recipe: _Recipe, config: transformers.PretrainedConfig) -> s
 
 
 def _build(recipe: _Recipe, config: transformers.PretrainedConfig, directory: pathlib.Path) -> None:
-    torch.manual_seed(recipe.seed)
-    model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _perturb_norms(model, recipe.norm_offsets)
-    if recipe.arch == "gemma2":  # TEMP
-        with torch.no_grad():
-            model.get_input_embeddings().weight.mul_(float(os.environ.get("_ES", "1.0")))
+    with torch.random.fork_rng(devices=[]):  # leave the caller's RNG state alone
+        torch.manual_seed(recipe.seed)
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        _randomize_constant_tensors(model, recipe.norm_offsets)
+    with torch.no_grad():
+        model.get_input_embeddings().weight.mul_(recipe.embedding_scale)
     model.generation_config = transformers.GenerationConfig(
         bos_token_id=config.bos_token_id,
         eos_token_id=config.eos_token_id,
@@ -394,15 +423,30 @@ def _build(recipe: _Recipe, config: transformers.PretrainedConfig, directory: pa
     _save_tokenizer(directory, recipe.adds_bos, config.max_position_embeddings)
 
 
-def _perturb_norms(model: torch.nn.Module, offsets: Mapping[str, float]) -> None:
-    """Jitter every RMSNorm weight (in module order, so seeded) and add ``offsets`` by name."""
+def _randomize_constant_tensors(model: torch.nn.Module, offsets: Mapping[str, float]) -> None:
+    """Give every tensor that the classes initialize to a constant a seeded random value.
+
+    Trained checkpoints hold no constant tensors, but a fresh model does: norm weights (ones,
+    or zeros for Gemma's ``1 + weight``), DeepSeek-V4's attention sinks, compressor position
+    biases, hyper-connection bases and scales, router correction biases, and its all-zero
+    token-to-expert hash table.  Left constant, a backend that ignores them would still match.
+    ``offsets`` are then added to the parameters whose names end with their keys.
+    """
     with torch.no_grad():
-        for name, module in model.named_modules():
-            weight = getattr(module, "weight", None)
-            if "RMSNorm" not in type(module).__name__ or not isinstance(weight, torch.nn.Parameter):
-                continue
-            weight.add_(torch.randn_like(weight), alpha=NORM_WEIGHT_JITTER)
-            weight.add_(offsets.get(name.rsplit(".", 1)[-1], 0.0))
+        for name, param in model.named_parameters():
+            if param.numel() and bool((param == param.reshape(-1)[0]).all()):
+                param.add_(torch.randn_like(param), alpha=_CONSTANT_JITTER)
+            for suffix, offset in offsets.items():
+                if name == suffix or name.endswith("." + suffix):
+                    param.add_(offset)
+        for module in model.modules():
+            bias = getattr(module, "e_score_correction_bias", None)
+            if isinstance(bias, torch.Tensor):
+                bias.add_(torch.randn_like(bias), alpha=_CONSTANT_JITTER)
+            table = getattr(module, "tid2eid", None)
+            if isinstance(table, torch.Tensor):  # distinct experts for every token id
+                draws = torch.rand(table.shape[0], module.num_experts)
+                table.copy_(draws.argsort(dim=-1)[:, : table.shape[1]])
 
 
 @contextlib.contextmanager
@@ -433,6 +477,9 @@ def tiny_model(arch: str, variant: str = "tiny", *,
     with _locked(base / f".{target.name}.lock"):
         if target.is_dir():  # another process built it while we waited
             return target
+        for stale in base.glob(f".{target.name}.*"):  # left by a builder that was killed
+            if stale.is_dir():
+                shutil.rmtree(stale, ignore_errors=True)
         staging = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=base))
         staging.chmod(0o755)
         try:
