@@ -90,24 +90,19 @@ class HookSet:
     def __init__(self) -> None:
         self._handles: list = []
 
-    def read(self, module: nn.Module, how: str, sink: list, detach: bool) -> None:
+    def read(self, module: nn.Module, how: str, sink: list) -> None:
+        """Append the tensor ``how`` names to ``sink`` on every call. Nothing is detached here:
+        a detached capture runs under ``torch.no_grad`` already, so there is no graph to drop."""
         if how == "in":
-            if detach:
-                def pre(mod, args, kwargs):
-                    sink.append((args[0] if args else kwargs["hidden_states"]).detach())
-            else:
-                def pre(mod, args, kwargs):
-                    sink.append(args[0] if args else kwargs["hidden_states"])
+            def pre(mod, args, kwargs):
+                sink.append(args[0] if args else kwargs["hidden_states"])
             self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
-            return
-        pick = _pick(how)
-        if detach:
-            def hook(mod, args, out):
-                sink.append(pick(out).detach())
+        elif how == "out":
+            self._handles.append(module.register_forward_hook(lambda mod, args, out: sink.append(out)))
         else:
-            def hook(mod, args, out):
-                sink.append(pick(out))
-        self._handles.append(module.register_forward_hook(hook))
+            index = int(how[3:])
+            self._handles.append(module.register_forward_hook(
+                lambda mod, args, out: sink.append(out[index])))
 
     def write(self, module: nn.Module, how: str, fn: Callable[[torch.Tensor], torch.Tensor]) -> None:
         """Register ``fn(x) -> x'`` on the tensor ``how`` names."""

@@ -111,7 +111,7 @@ class EagerBackend:
                         continue  # another address shares this tensor
                     seen.add(key)
                     sink = captures.sinks.setdefault(key, [])
-                    hooks.read(self.module(key[0]), tap.how, sink, detach)
+                    hooks.read(self.module(key[0]), tap.how, sink)
             for op, cols, rows in mid_writes:
                 self._lower_write(hooks, op, cols, rows, pre_sinks)
         except BaseException:
@@ -133,7 +133,7 @@ class EagerBackend:
             if sink is None:
                 sink = pre_sinks[layer] = []
                 layer_tap = self._tap("resid_pre")
-                hooks.read(self.module(layer_tap.module_path(layer)), "in", sink, detach=False)
+                hooks.read(self.module(layer_tap.module_path(layer)), "in", sink)
 
             def via_attn(x, sink=sink):
                 pre = sink[-1]

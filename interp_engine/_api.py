@@ -72,6 +72,8 @@ def _plan(model: Model, points: Sequence[AddressLike] | AddressLike | None,
           extra: SteerSpec | None = None) -> Plan:
     plan = capture_plan(model.graph, points) if points is not None else Plan()
     spec = active_steering(model)
+    if extra is None and not spec.ops:
+        return plan
     if extra is not None:
         if not isinstance(extra, SteerSpec):
             raise TypeError(f"steer= takes a SteerSpec, got {type(extra).__name__}")

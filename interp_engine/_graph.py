@@ -7,6 +7,7 @@ every question it answers is answerable before any forward runs.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 from ._address import Address, AddressLike, to_address
 from ._points import POINTS, PointSpec
@@ -74,10 +75,18 @@ class ModelGraph:
     def points(self) -> tuple[PointSpec, ...]:
         return self.point_table
 
+    @cached_property
+    def _by_name(self) -> dict[str, PointSpec]:
+        return {spec.name: spec for spec in self.point_table}
+
+    @cached_property
+    def _checked(self) -> dict:
+        return {}  # addresses already validated against this graph (it is immutable)
+
     def point(self, name: str) -> PointSpec:
-        for spec in self.point_table:
-            if spec.name == name:
-                return spec
+        spec = self._by_name.get(name)
+        if spec is not None:
+            return spec
         known = POINTS.get(name)
         valid = ", ".join(p.name for p in self.point_table)
         if known is None:
@@ -93,6 +102,8 @@ class ModelGraph:
     def check_address(self, value: AddressLike) -> Address:
         """Return the Address if it exists on this model; otherwise raise naming what is valid."""
         address = to_address(value)
+        if address in self._checked:
+            return address
         spec = self.point(address.name)
         layers = self.layers_of(address.name)
         if address.layer not in layers:
@@ -108,6 +119,7 @@ class ModelGraph:
                 f"{self.residual_basis.n_streams} streams (0..{self.residual_basis.n_streams - 1})"
             )
         del spec
+        self._checked[address] = True
         return address
 
     def shape_of(self, address: Address, batch: int, pos: int) -> tuple[int, ...]:

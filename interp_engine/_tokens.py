@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Sequence, Union
 
 import torch
@@ -16,6 +16,11 @@ class TokenBatch:
 
     ids: torch.Tensor
     attention_mask: torch.Tensor
+    padded: bool = field(default=None, compare=False)  # computed from the mask when not given
+
+    def __post_init__(self) -> None:
+        if self.padded is None:
+            object.__setattr__(self, "padded", bool((self.attention_mask == 0).any()))
 
     @property
     def shape(self) -> torch.Size:
@@ -24,10 +29,6 @@ class TokenBatch:
     @property
     def lengths(self) -> list[int]:
         return [int(n) for n in self.attention_mask.sum(dim=1)]
-
-    @property
-    def padded(self) -> bool:
-        return bool((self.attention_mask == 0).any())
 
     def row(self, i: int) -> list[int]:
         return self.ids[i, : self.lengths[i]].tolist()
@@ -65,7 +66,13 @@ def as_batch(tokens: TokensLike, d_vocab: int, pad_id: int = 0) -> TokenBatch:
         if tokens.dim() != 2:
             raise ValueError(f"token ids must be [pos] or [batch, pos], got shape {tuple(tokens.shape)}")
         ids = tokens.to(torch.long).cpu()
-        batch = TokenBatch(ids, torch.ones_like(ids))
+        if ids.shape[1] == 0:
+            raise ValueError("empty prompt: pass at least one token id")
+        low, high = torch.aminmax(ids)
+        if int(low) < 0 or int(high) >= d_vocab:
+            bad = ids[(ids < 0) | (ids >= d_vocab)][:5].tolist()
+            raise ValueError(f"token ids outside the vocabulary [0, {d_vocab}): {bad}")
+        return TokenBatch(ids, torch.ones_like(ids), padded=False)  # the fast path: no mask to check
     elif isinstance(tokens, (list, tuple)):
         if len(tokens) == 0:
             raise ValueError("empty prompt: pass at least one token id")
