@@ -31,17 +31,30 @@ def bench(variant: str, batch: int, pos: int, repeats: int, target: str) -> None
         with torch.no_grad():
             hf(input_ids=ids, use_cache=False, logits_to_keep=1)
 
+    def bare_hooks():
+        store = []
+        handles = [layer.register_forward_hook(lambda mod, args, out: store.append(out))
+                   for layer in hf.model.layers]
+        try:
+            plain_hidden()
+        finally:
+            for handle in handles:
+                handle.remove()
+
     medians = interleaved_medians({
         "HF forward (all logits)": plain,
         "run_with_cache resid_post x all, +logits": lambda: run_with_cache(model, ids, points, return_logits=True),
         "HF forward (last logits only)": plain_hidden,
         "run_with_cache resid_post x all (default)": lambda: run_with_cache(model, ids, points),
+        "bare forward hooks (the floor)": bare_hooks,
     }, repeats=repeats)
     report(f"qwen3 {variant}: {n_params / 1e6:.1f}M params, {model.n_layers} layers, {batch}x{pos} tokens",
            medians, "HF forward (all logits)",
            {"run_with_cache resid_post x all, +logits": target})
     same = medians["run_with_cache resid_post x all (default)"] / medians["HF forward (last logits only)"]
+    floor = medians["bare forward hooks (the floor)"] / medians["HF forward (last logits only)"]
     print(f"  capture overhead at equal work (default vs last-logits forward): ratio {same:.3f}   target {target}")
+    print(f"  bare forward hooks keeping the same tensors, same work:          ratio {floor:.3f}")
 
 
 def main() -> None:

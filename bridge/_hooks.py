@@ -70,20 +70,6 @@ def apply_op(kind: str, x: torch.Tensor, vec: torch.Tensor, cols, rows) -> torch
     return out
 
 
-def _pick(how: str) -> Callable:
-    if how == "out":
-        return lambda out: out
-    index = int(how[3:])
-    return lambda out: out[index]
-
-
-def _replace(how: str, out, new):
-    if how == "out":
-        return new
-    index = int(how[3:])
-    return tuple(new if i == index else o for i, o in enumerate(out))
-
-
 class HookSet:
     """Registered hooks for one forward; a context manager that always removes them."""
 
@@ -116,8 +102,13 @@ class HookSet:
             self._handles.append(module.register_forward_pre_hook(pre, with_kwargs=True))
             return
 
+        if how == "out":
+            self._handles.append(module.register_forward_hook(lambda mod, args, out: fn(out)))
+            return
+        index = int(how[3:])
+
         def hook(mod, args, out):
-            return _replace(how, out, fn(_pick(how)(out)))
+            return out[:index] + (fn(out[index]),) + out[index + 1:]
         self._handles.append(module.register_forward_hook(hook))
 
     def remove(self) -> None:

@@ -58,6 +58,7 @@ class EagerBackend:
         self.graph = graph
         self.requires_grad = requires_grad
         self._modules: dict[str, nn.Module] = {}
+        self._vectors: dict[int, tuple[SteerOp, torch.Tensor]] = {}
         self._lock = threading.RLock()
         first = next(hf_model.parameters())
         self.device, self.dtype = first.device, first.dtype
@@ -119,8 +120,18 @@ class EagerBackend:
             raise
         return hooks
 
+    def _vector(self, op: SteerOp) -> torch.Tensor:
+        """The op's effective vector on this device, computed once per op (not per step)."""
+        entry = self._vectors.get(id(op))
+        if entry is None or entry[0] is not op:
+            if len(self._vectors) > 1024:
+                self._vectors.clear()
+            entry = (op, op.effective().to(self.device, self.dtype))
+            self._vectors[id(op)] = entry
+        return entry[1]
+
     def _lower_write(self, hooks: HookSet, op: SteerOp, cols, rows, pre_sinks: dict) -> None:
-        vec = op.effective().to(self.device, self.dtype)
+        vec = self._vector(op)
         kind, layer = op.op, op.address.layer
         if op.address.name == "resid_mid":
             tap = self._tap("attn_out")
