@@ -17,6 +17,7 @@ from hypothesis import assume, given, strategies as st
 from interp_engine import (CAPABILITIES, POINTS, Address, CapabilityUnsupported, SteerSpec,
                            capture_generation, capture_plan, expert_assignment, format_address,
                            generate_stream, parse_address, run_with_cache, steer, steer_plan)
+from interp_engine.testing import assert_close_scaled
 from strategies import addresses, sampling, steer_specs, token_batches, token_ids, valid_address_strings
 
 EAGER_ARCHS = ("qwen3", "llama", "gemma2", "qwen3_moe", "deepseek_v4")
@@ -25,13 +26,6 @@ needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason
 ATOL, RTOL = 3e-5, 1e-5
 
 
-def assert_close_scaled(actual, expected, tol=1e-5, msg=""):
-    """fp32 agreement relative to the tensor's scale (vLLM's fused kernels reduce in another
-    order than HF: ~1e-4 on an element of a norm-40 Gemma 2 residual, ~4e-6 of its scale)."""
-    assert actual.shape == expected.shape, msg
-    scale = max(1.0, float(expected.abs().max()))
-    err = float((actual - expected).abs().max())
-    assert err <= tol * scale, f"{msg}: max |diff| {err:.3g} > {tol} x scale {scale:.3g}"
 
 
 def _logits(model, ids):
@@ -57,11 +51,14 @@ def _assert_same_greedy(a_steps, b_steps, atol=2e-5):
 
 # ---- backends agree ----------------------------------------------------------------------
 
-@needs_vllm
-@pytest.mark.vllm
-@pytest.mark.parametrize("arch", VLLM_ARCHS)
-def test_backends_agree_on_every_served_point(model_pool, arch):
-    eager, vllm = model_pool.get(arch), model_pool.get(arch, "vllm", enable_prompt_embeds=True)
+@pytest.fixture(params=[pytest.param(a, marks=[needs_vllm, pytest.mark.vllm]) for a in VLLM_ARCHS])
+def pair(request, model_pool):
+    """(eager, vllm) on the same tiny weights; one engine per architecture for the session."""
+    return model_pool.get(request.param), model_pool.get(request.param, "vllm", enable_prompt_embeds=True)
+
+
+def test_backends_agree_on_every_served_point(pair):
+    eager, vllm = pair
 
     @given(ids=token_ids(eager), points=st.lists(addresses(vllm, "vllm"), min_size=1, max_size=4, unique=True))
     def law(ids, points):
@@ -71,11 +68,8 @@ def test_backends_agree_on_every_served_point(model_pool, arch):
     law()
 
 
-@needs_vllm
-@pytest.mark.vllm
-@pytest.mark.parametrize("arch", VLLM_ARCHS)
-def test_backends_agree_on_greedy_tokens_logprobs_and_steering(model_pool, arch):
-    eager, vllm = model_pool.get(arch), model_pool.get(arch, "vllm", enable_prompt_embeds=True)
+def test_backends_agree_on_greedy_tokens_logprobs_and_steering(pair):
+    eager, vllm = pair
 
     @given(ids=token_ids(eager, max_size=12), spec=st.none() | steer_specs(eager), n=st.integers(1, 6))
     def law(ids, spec, n):
@@ -90,11 +84,8 @@ def test_backends_agree_on_greedy_tokens_logprobs_and_steering(model_pool, arch)
     law()
 
 
-@needs_vllm
-@pytest.mark.vllm
-@pytest.mark.parametrize("arch", VLLM_ARCHS)
-def test_capture_generation_rows_equal_across_backends(model_pool, arch):
-    eager, vllm = model_pool.get(arch), model_pool.get(arch, "vllm", enable_prompt_embeds=True)
+def test_capture_generation_rows_equal_across_backends(pair):
+    eager, vllm = pair
 
     @given(ids=token_ids(eager, max_size=10), point=addresses(vllm, "vllm"), n=st.integers(1, 5))
     def law(ids, point, n):

@@ -13,7 +13,7 @@ import importlib.util
 
 from interp_engine import (Address, CapabilityUnsupported, SteerSpec, capture_generation,
                            generate_stream, load_model, run_with_cache, steer)
-from interp_engine.testing import tiny_model
+from interp_engine.testing import assert_close_scaled, tiny_model
 
 VLLM_ARCHS = ("qwen3", "llama", "gemma2", "qwen3_moe")  # deepseek_v4 has no vLLM CPU path
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -23,14 +23,6 @@ PROMPTS = ("The capital of France is", "Once upon a time, in a land far away, th
 ATOL, RTOL = 3e-5, 1e-5
 
 
-def assert_close_scaled(actual, expected, tol=1e-5, msg=""):
-    """fp32 agreement relative to the tensor's scale: vLLM's fused kernels reduce in another
-    order than HF, so an element of a residual of norm ~40 (Gemma 2's sandwich norms) differs
-    by ~1e-4 while the worst element relative to the largest is ~4e-6."""
-    assert actual.shape == expected.shape, msg
-    scale = max(1.0, float(expected.abs().max()))
-    err = float((actual - expected).abs().max())
-    assert err <= tol * scale, f"{msg}: max |diff| {err:.3g} > {tol} x scale {scale:.3g}"
 
 
 @pytest.fixture(params=VLLM_ARCHS)
