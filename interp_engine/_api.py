@@ -127,23 +127,24 @@ class Completion:
 
 
 class _TextDeltas:
-    """Incremental detokenisation: hold back an incomplete multi-byte character."""
+    """Incremental detokenisation over a sliding window (the prefix/read-offset scheme vLLM
+    uses): each step decodes a few recent tokens, not the whole completion, and holds back an
+    incomplete multi-byte character. The deltas join to ``to_string`` of all generated ids."""
 
     def __init__(self, model: Model) -> None:
-        self.model = model
+        self.decode = model.tok.to_string
         self.ids: list[int] = []
-        self.emitted = ""
+        self.prefix = 0  # window start: text before it is final
+        self.read = 0  # tokens whose text has been emitted
 
     def push(self, token_id: int, last: bool) -> str:
         self.ids.append(token_id)
-        text = self.model.tok.to_string(self.ids)
-        if not last and text.endswith("\ufffd"):
+        seen = self.decode(self.ids[self.prefix:self.read])
+        text = self.decode(self.ids[self.prefix:])
+        if (not last and text.endswith("\ufffd")) or len(text) <= len(seen) and not last:
             return ""
-        # Byte-level decoding is prefix-stable once no character is pending, so the delta is
-        # the new tail; the deltas join to the decoded text of all generated ids.
-        delta = text[len(self.emitted):]
-        self.emitted = text
-        return delta
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(seen):]
 
 
 def _prompt_ids(model: Model, tokens: TokensLike) -> list[int]:
