@@ -32,7 +32,10 @@ class CapabilityUnsupported(RuntimeError):
         self.why = why if why is not None else (entry.why if entry else "not supported")
         self.instead = instead if instead is not None else (entry.instead if entry else "")
         self.detail = detail
-        message = f"{capability} is not supported on backend {backend!r}"
+        if entry is not None and entry.served_by(backend):  # the model, not the backend, lacks it
+            message = f"{capability} does not apply to this model (backend {backend!r})"
+        else:
+            message = f"{capability} is not supported on backend {backend!r}"
         if detail:
             message += f" ({detail})"
         message += f": {self.why}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 __all__ = ["main"]
@@ -74,8 +75,32 @@ def _demo(args: argparse.Namespace) -> int:
         other.decode_residuals(other_cache)
     except CapabilityUnsupported as exc:
         print(f"   CapabilityUnsupported: {exc}")
+    if args.compare_vllm:
+        _compare(path, tokens, points, steps)
     del torch
     return 0
+
+
+def _compare(path, tokens, points, eager_steps) -> None:
+    """The same pipeline inside vLLM: captured values and greedy tokens against eager."""
+    import importlib.util
+
+    from . import generate_stream, load_model, run_with_cache
+
+    print("\n== the same numbers inside vLLM")
+    if importlib.util.find_spec("vllm") is None:
+        print("   vllm is not installed here (INTERP_ENGINE_SKIP_VLLM=1 set-up)")
+        return
+    eager = load_model(path)
+    vllm = load_model(path, backend="vllm")
+    ce, cv = run_with_cache(eager, tokens, points), run_with_cache(vllm, tokens, points)
+    for address in points:
+        diff = float((ce[address] - cv[address]).abs().max())
+        print(f"   {str(address):<14} max |eager - vllm| {diff:.2e}   (scale {float(ce[address].abs().max()):.1f})")
+    vsteps = list(generate_stream(vllm, tokens, max_tokens=len(eager_steps), temperature=0.0, n_logprobs=3))
+    same = [s.token_id for s in vsteps] == [s.token_id for s in eager_steps]
+    worst = max(abs(a.logprobs[0]["logprob"] - b.logprobs[0]["logprob"]) for a, b in zip(eager_steps, vsteps))
+    print(f"   greedy tokens equal: {same}; worst top-1 logprob difference {worst:.2e}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -84,7 +109,10 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="capture, capabilities, generation, steering and lens on a tiny model")
     demo.add_argument("--arch", default="qwen3", help="tiny architecture (qwen3, llama, gemma2, qwen3_moe, deepseek_v4)")
     demo.add_argument("--backend", default="eager", choices=("eager", "vllm"))
+    demo.add_argument("--compare-vllm", action="store_true",
+                      help="also run capture and greedy generation inside vLLM and print the differences")
     args = parser.parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # the demo's own output, not vLLM's start-up log
     if args.command == "demo":
         return _demo(args)
     return 2
