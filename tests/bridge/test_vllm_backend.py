@@ -250,3 +250,44 @@ def test_lens_runs_where_the_weights_are(pair):
     first = next(generate_stream(vllm, tokens, max_tokens=1, temperature=0.0, n_logprobs=3))
     assert int(lv[-1, 0, -1].argmax()) == first.token_id
     assert float(lv[-1, 0, -1].max()) == pytest.approx(first.logprobs[0]["logprob"], abs=1e-5)
+
+
+def test_chunked_prefill_and_concurrent_captures_map_rows_back(model_pool):
+    """A small token budget splits long prompts into chunks and mixes them with other requests'
+    decode rows in one batch: every captured row must still land at its request and position."""
+    eager = model_pool.get("qwen3")
+    vllm = model_pool.get("qwen3", "vllm", max_num_batched_tokens=16, max_num_seqs=4, max_model_len=512)
+    prompt = eager.to_tokens("Once upon a time, in a land far away, there lived a café owner who "
+                             "sold bread, cheese and wine to travellers on the long road north")
+    assert prompt.shape[1] > 40  # several 16-token chunks
+    points = ["resid_post.0", "resid_pre.2", "z.1"]
+    ce_completion, ce = capture_generation(eager, prompt, points, max_tokens=6, temperature=0.0)
+    vllm.warmup()
+    sizes = []
+    handle = vllm.backend._root.register_forward_pre_hook(
+        lambda mod, args, kwargs: sizes.append(int(kwargs["positions"].shape[0])), with_kwargs=True)
+    try:
+        cv_completion, cv = capture_generation(vllm, prompt, points, max_tokens=6, temperature=0.0)
+    finally:
+        handle.remove()
+    assert sum(1 for n in sizes if n > 1) >= 3 and max(sizes) <= 16  # the prompt really was chunked
+    assert cv_completion.token_ids == ce_completion.token_ids
+    for point in points:
+        assert_close_scaled(cv[point], ce[point], msg=point)
+    # other requests in flight at the same time (async) do not disturb a steered one
+    spec = SteerSpec.add("resid_post.1", torch.ones(eager.d_model), scale=2.0)
+
+    async def crowd():
+        others = [vllm.generate_text(prompt[0, : 10 + 7 * i].tolist(), max_tokens=6, temperature=0.0)
+                  for i in range(3)]
+        mine = vllm.generate_text(prompt, max_tokens=6, temperature=0.0, steer=spec)
+        return await asyncio.gather(mine, *others)
+
+    results = asyncio.run(crowd())
+    with steer(eager, spec):
+        expected = eager.to_string([s.token_id for s in generate_stream(eager, prompt, max_tokens=6, temperature=0.0)])
+    assert results[0] == expected
+    for i, text in enumerate(results[1:]):
+        ids = prompt[0, : 10 + 7 * i].tolist()
+        assert text == eager.to_string([s.token_id for s in generate_stream(eager, ids, max_tokens=6,
+                                                                            temperature=0.0)])
