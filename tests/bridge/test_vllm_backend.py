@@ -291,3 +291,22 @@ def test_chunked_prefill_and_concurrent_captures_map_rows_back(model_pool):
         ids = prompt[0, : 10 + 7 * i].tolist()
         assert text == eager.to_string([s.token_id for s in generate_stream(eager, ids, max_tokens=6,
                                                                             temperature=0.0)])
+
+
+def test_hooks_never_outlive_a_failed_step(model_pool, monkeypatch):
+    vllm = model_pool.get("qwen3", "vllm", enable_prompt_embeds=True)
+    tokens = vllm.to_tokens(PROMPTS[0])
+    before = [s.token_id for s in generate_stream(vllm, tokens, max_tokens=5, temperature=0.0)]
+    spec = SteerSpec.add("resid_post.1", torch.ones(vllm.d_model), scale=3.0)
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("a write failed mid-forward")
+    monkeypatch.setattr(vllm.backend, "_apply", boom)
+    with pytest.raises(RuntimeError):
+        with steer(vllm, spec):
+            list(generate_stream(vllm, tokens, max_tokens=5, temperature=0.0))
+    monkeypatch.undo()
+    modules = list(vllm.backend._root.modules())
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in modules)
+    assert not vllm.backend._requests  # the failed request was aborted, not left in the engine
+    assert [s.token_id for s in generate_stream(vllm, tokens, max_tokens=5, temperature=0.0)] == before
