@@ -206,7 +206,8 @@ class VllmBackend:
         else:
             engine_prompt = {"prompt_token_ids": list(prompt)}
             prompt_len = len(prompt)
-        vectors = tuple(op.effective().to(self.dtype) for op in plan.writes)
+        device = next(self._root.parameters()).device  # moved once, not in every hook call
+        vectors = tuple(op.effective().to(device, self.dtype) for op in plan.writes)
         with self._lock:
             external = f"interp-{next(_ids)}"
             internal = llm.llm_engine.add_request(external, engine_prompt, self._sampling_params(config))
@@ -328,7 +329,7 @@ class VllmBackend:
         """In place on ``x`` (a fresh copy): rows s:e get op i; ``base`` is what x is offset by
         (the value the op reads is x + base, and the result is written back minus base)."""
         op: SteerOp = request.plan.writes[i]
-        vec = request.vectors[i].to(x.device)
+        vec = request.vectors[i]
         rows, vrows = self._selection(request, i, s, e)
         if rows is not None and rows.numel() == 0:
             return
