@@ -269,9 +269,12 @@ class EagerBackend:
     def new_capture(self) -> _Captures:
         return _Captures(batch=1)
 
-    def o_proj_weight(self, layer: int) -> torch.Tensor:
-        tap = self._tap("z")
-        return self.module(tap.module_path(layer)).weight.detach()
+    def head_contributions(self, layer: int, z: torch.Tensor) -> torch.Tensor:
+        """``z`` ``[batch, pos, n_heads, d_head]`` through each head's slice of o_proj."""
+        weight = self.module(self._tap("z").module_path(layer)).weight
+        w = weight.reshape(weight.shape[0], self.graph.n_heads, self.graph.d_head)
+        with self._grad_context(not z.requires_grad):
+            return torch.einsum("bphd,mhd->bphm", z.to(weight.device, weight.dtype), w)
 
     # ---- lens -------------------------------------------------------------------
     def decode(self, resid: torch.Tensor) -> torch.Tensor:

@@ -556,8 +556,27 @@ class VllmBackend:
                 logits = torch.tanh(logits / cap) * cap
         return logits.reshape(*shape[:-1], logits.shape[-1]).cpu()
 
-    def o_proj_weight(self, layer: int) -> torch.Tensor:
-        return self.module(self.spec.vllm["z"].module_path(layer)).weight.detach().cpu()
+    def head_contributions(self, layer: int, z: torch.Tensor) -> torch.Tensor:
+        """Each head's write through vLLM's own o_proj module, one head at a time (vLLM's CPU
+        kernels may repack the weight, so it is not read as a matrix): o_proj(z with only head h
+        kept) - o_proj(0), which removes any bias."""
+        o_proj = self.module(self.spec.vllm["z"].module_path(layer))
+        device = next(self._root.parameters()).device
+        b, p, h, d = z.shape
+        flat = z.reshape(b * p, h * d).to(device, self.dtype)
+
+        def run(x):
+            out = o_proj(x)
+            return out[0] if isinstance(out, tuple) else out
+
+        with torch.inference_mode():
+            base = run(torch.zeros_like(flat[:1]))
+            heads = []
+            for head in range(h):
+                masked = torch.zeros_like(flat)
+                masked[:, head * d:(head + 1) * d] = flat[:, head * d:(head + 1) * d]
+                heads.append(run(masked) - base)
+        return torch.stack(heads, dim=1).reshape(b, p, h, -1).cpu()
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """The model's own input embeddings (Gemma 2's sqrt(d_model) scale included)."""

@@ -372,24 +372,22 @@ Model.decode_residuals = _decode_method  # type: ignore[attr-defined]
 # ---- helpers on a cache -------------------------------------------------------------
 
 @jaxtyped(typechecker=beartype)
-def _contrib(z: Float[torch.Tensor, "batch pos n_heads d_head"],
-             w_o: Float[torch.Tensor, "d_model hd"]) -> Float[torch.Tensor, "batch pos n_heads d_model"]:
-    n_heads, d_head = z.shape[2], z.shape[3]
-    w = w_o.reshape(w_o.shape[0], n_heads, d_head)
-    return torch.einsum("bphd,mhd->bphm", z, w.to(z.dtype))
+def _checked_contributions(z: Float[torch.Tensor, "batch pos n_heads d_head"],
+                           out: Float[torch.Tensor, "batch pos n_heads d_model"]) -> Float[torch.Tensor, "batch pos n_heads d_model"]:
+    return out
 
 
 def head_contributions(model: Model, cache: Cache, layer: int) -> torch.Tensor:
     """Per-head writes of attention at ``layer``: ``[batch, pos, n_heads, d_model]``. Summed
     over heads (plus the o_proj bias, if any) they give the output projection, which is
     ``attn_out`` on every architecture without a post-attention norm (on Gemma 2 it is the
-    input of that norm). Needs ``z.{layer}`` in the cache."""
+    input of that norm). Needs ``z.{layer}`` in the cache; runs where the weights are."""
     address = model.graph.check_address(Address("z", layer))
     if address not in cache:
         raise KeyError(f"head_contributions needs {address} in the cache: capture it with "
                        f"run_with_cache(model, tokens, ['{address}'])")
-    w_o = model.backend.o_proj_weight(layer)
-    return _contrib(cache[address].to(w_o.device), w_o)
+    z = cache[address]
+    return _checked_contributions(z, model.backend.head_contributions(layer, z))
 
 
 def expert_assignment(cache: Cache, layer: int, n_experts: int, *, top_k: int | None = None,

@@ -145,9 +145,10 @@ class Model:
     def hf(self):
         """The underlying transformers model (eager backend only)."""
         if self.backend.name != "eager":
-            raise CapabilityUnsupported("free_decode_residuals", self.backend.name,
-                                        why="the weights live inside the vLLM worker",
-                                        instead="use backend='eager' for direct module access")
+            raise AttributeError(
+                f"model.hf is the transformers model of the eager backend; this model runs on "
+                f"{self.backend.name!r}, whose modules live inside the engine (model.backend.module(path)), "
+                f"or load it with backend='eager'")
         return self.backend.hf
 
     def points(self) -> tuple[PointSpec, ...]:

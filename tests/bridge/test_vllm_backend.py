@@ -310,3 +310,17 @@ def test_hooks_never_outlive_a_failed_step(model_pool, monkeypatch):
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in modules)
     assert not vllm.backend._requests  # the failed request was aborted, not left in the engine
     assert [s.token_id for s in generate_stream(vllm, tokens, max_tokens=5, temperature=0.0)] == before
+
+
+def test_head_contributions_run_where_the_weights_are(pair):
+    eager, vllm = pair
+    from interp_engine import head_contributions
+
+    tokens = eager.to_tokens(PROMPTS[1])
+    points = ["z.1", "attn_out.1"]
+    ce, cv = run_with_cache(eager, tokens, points), run_with_cache(vllm, tokens, points)
+    hv = head_contributions(vllm, cv, 1)
+    assert hv.shape == (1, tokens.shape[1], eager.graph.n_heads, eager.d_model)
+    assert_close_scaled(hv, head_contributions(eager, ce, 1), msg="heads")
+    if eager.graph.arch != "gemma2":  # Gemma 2 normalises attention's output before adding it
+        assert_close_scaled(hv.sum(2), cv["attn_out.1"], msg="sum over heads")
