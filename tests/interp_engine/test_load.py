@@ -113,3 +113,26 @@ def test_gemma2_runs_the_attention_that_honours_soft_capping(eager_models, hf_co
     with torch.no_grad():
         torch.testing.assert_close(model.hf(ids).logits, hf_copies["gemma2"](ids).logits,
                                    rtol=1e-5, atol=1e-5)
+
+
+def test_hub_name_in_the_local_cache_loads(monkeypatch, tmp_path):
+    """A hub name resolves through the local HF cache layout (models--org--name/snapshots/<rev>)."""
+    import shutil
+
+    import huggingface_hub.constants as hub_constants
+
+    from interp_engine import load_model, run_with_cache
+    from interp_engine.testing import tiny_model
+
+    revision = "0123456789abcdef0123456789abcdef01234567"
+    repo = tmp_path / "models--Qwen--Qwen3-8B"
+    shutil.copytree(tiny_model("qwen3"), repo / "snapshots" / revision)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(revision)
+    monkeypatch.setattr(hub_constants, "HF_HUB_CACHE", str(tmp_path))
+    model = load_model("Qwen/Qwen3-8B")
+    assert model.graph.arch == "qwen3" and model.path == repo / "snapshots" / revision
+    reference = load_model(tiny_model("qwen3"))
+    tokens = model.to_tokens("Hello")
+    assert torch.equal(run_with_cache(model, tokens, ["resid_post.0"])["resid_post.0"],
+                       run_with_cache(reference, tokens, ["resid_post.0"])["resid_post.0"])
