@@ -61,7 +61,7 @@ class _Capture:
     chunks: dict[tuple, list[tuple[torch.Tensor, torch.Tensor]]] = field(default_factory=dict)
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests are compared with `is` / `in` in hooks
 class _Request:
     internal_id: str
     plan: Plan
@@ -133,7 +133,19 @@ class VllmBackend:
 
             if self.graph.n_experts:
                 _ensure_expert_group()
-            self._llm = LLM(**self._kwargs)
+            # LLM(seed=...) reseeds the process-wide torch / random / numpy generators; a lazily
+            # started engine must not change the caller's random streams.
+            import random
+
+            import numpy as np
+
+            states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+            try:
+                self._llm = LLM(**self._kwargs)
+            finally:
+                torch.set_rng_state(states[0])
+                random.setstate(states[1])
+                np.random.set_state(states[2])
             worker = self._llm.llm_engine.model_executor.driver_worker.worker
             self._runner = worker.model_runner
             self._root: nn.Module = self._runner.model

@@ -324,3 +324,19 @@ def test_head_contributions_run_where_the_weights_are(pair):
     assert_close_scaled(hv, head_contributions(eager, ce, 1), msg="heads")
     if eager.graph.arch != "gemma2":  # Gemma 2 normalises attention's output before adding it
         assert_close_scaled(hv.sum(2), cv["attn_out.1"], msg="sum over heads")
+
+
+def test_starting_an_engine_leaves_the_callers_random_streams_alone():
+    import random
+
+    model = load_model(tiny_model("llama"), backend="vllm")
+    torch.manual_seed(1234)
+    random.seed(1234)
+    expected = (torch.rand(3), random.random())
+    torch.manual_seed(1234)
+    random.seed(1234)
+    model.warmup()  # vLLM's LLM(seed=0) reseeds the process generators
+    try:
+        assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
+    finally:
+        model.backend.close()
