@@ -59,6 +59,7 @@ class EagerBackend:
         self.requires_grad = requires_grad
         self._modules: dict[str, nn.Module] = {}
         self._vectors: dict[int, tuple[SteerOp, torch.Tensor]] = {}
+        self._keys: dict[Address, tuple[str, str]] = {}
         self._lock = threading.RLock()
         first = next(hf_model.parameters())
         self.device, self.dtype = first.device, first.dtype
@@ -87,6 +88,14 @@ class EagerBackend:
     def _tap(self, name: str) -> Tap:
         return self.spec.eager[name]
 
+    def _read_key(self, address: Address) -> tuple[str, str]:
+        """(module path, how) of an address, resolved once per address."""
+        key = self._keys.get(address)
+        if key is None:
+            tap = self._tap(address.name)
+            key = self._keys[address] = (tap.module_path(address.layer), tap.how)
+        return key
+
     def _lower(self, plan: Plan, window: ForwardWindow, captures: _Captures | None, detach: bool) -> HookSet:
         hooks = HookSet()
         try:
@@ -106,13 +115,12 @@ class EagerBackend:
             if captures is not None:
                 seen: set[tuple[str, str]] = set()
                 for address in plan.reads:
-                    tap = self._tap(address.name)
-                    key = (tap.module_path(address.layer), tap.how)
+                    key = self._read_key(address)
                     if key in seen:
                         continue  # another address shares this tensor
                     seen.add(key)
                     sink = captures.sinks.setdefault(key, [])
-                    hooks.read(self.module(key[0]), tap.how, sink)
+                    hooks.read(self.module(key[0]), key[1], sink)
             for op, cols, rows in mid_writes:
                 self._lower_write(hooks, op, cols, rows, pre_sinks)
         except BaseException:
@@ -196,7 +204,7 @@ class EagerBackend:
         total = sum(w.length for w in captures.windows)
         for address in plan.reads:
             tap = self._tap(address.name)
-            raw = captures.sinks[(tap.module_path(address.layer), tap.how)]
+            raw = captures.sinks[self._read_key(address)]
             pieces = []
             for t, w in zip(raw, captures.windows):
                 if tap.post == "heads":

@@ -10,7 +10,6 @@ module (the HF ``*ForCausalLM`` on eager; the vLLM ``*ForCausalLM`` inside the w
 ``post`` says how to reshape the raw tensor into the point's shape:
   ``None``  already ``[batch, pos, ...]``             ``heads``/``kv_heads``: split the last dim
   ``flat``  rows are flattened tokens: view as ``[batch, pos, -1]``
-  ``bhpd``  ``[batch, heads, pos, d]`` -> ``[batch, pos, heads, d]``
 """
 
 from __future__ import annotations
@@ -62,15 +61,12 @@ class ArchSpec:
     model_types: tuple[str, ...]
     graph_from_config: Callable[[object], ModelGraph]
     eager: Mapping[str, Tap]
-    layers_path: str = "model.layers"
-    embed_path: str = "model.embed_tokens"
     final_norm_path: str = "model.norm"
     unembed_path: str = "lm_head"
     # vLLM: where each point is read, and where each steerable point is written (writes
     # default to the read tap; resid_mid is written at the fused add+norm after attention).
     vllm: Mapping[str, VllmTap] = field(default_factory=lambda: MappingProxyType({}))
     vllm_writes: Mapping[str, VllmTap] = field(default_factory=lambda: MappingProxyType({}))
-    vllm_layers_path: str = "model.layers"
     vllm_final_norm_path: str = "model.norm"
     vllm_unembed_path: str = "lm_head"
     vllm_note: str = ""
