@@ -37,9 +37,7 @@ class ModelPool:
 
     def close(self) -> None:
         for model in self._models.values():
-            close = getattr(model.backend, "close", None)
-            if close is not None:
-                close()
+            model.close()
         self._models.clear()
 
 

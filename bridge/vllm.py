@@ -368,11 +368,12 @@ class VllmBackend:
         apply, rows_of = self._apply, self._rows_of
 
         def each(x: torch.Tensor, base: torch.Tensor | None) -> torch.Tensor:
+            spans = [(request, i, span) for request, i in subs if (span := rows_of(request)) is not None]
+            if not spans:  # none of this site's requests is in this forward
+                return x
             x = x.clone()
-            for request, i in subs:
-                span = rows_of(request)
-                if span is not None:
-                    apply(request, i, x, span[0], span[1], base)
+            for request, i, (s, e) in spans:
+                apply(request, i, x, s, e, base)
             return x
 
         if source == "layer_in":  # resid_pre: (positions, hidden, residual)

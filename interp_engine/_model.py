@@ -172,6 +172,10 @@ class Model:
             raise ValueError(f"embed takes one prompt, got a batch of {len(batch)}")
         return self.backend.embed(batch.ids[0])
 
+    def close(self) -> None:
+        """Release the engine (a vLLM engine and its KV cache); other models keep working."""
+        getattr(self.backend, "close", lambda: None)()
+
     def warmup(self) -> None:
         """Start the engine if it is started lazily (a no-op on eager)."""
         getattr(self.backend, "warmup", lambda: None)()
