@@ -504,11 +504,12 @@ class VllmBackend:
             self._abort(request)
 
     async def agenerate(self, prompt: list[int] | None, config: SamplingConfig, plan: Plan,
-                        embeds: torch.Tensor | None = None) -> AsyncIterator[RawStep]:
+                        embeds: torch.Tensor | None = None, captures: _Capture | None = None
+                        ) -> AsyncIterator[RawStep]:
         """Asynchronous generation: concurrent requests share engine steps (one batch)."""
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
-        request = self._add(prompt, config, plan, None,
+        request = self._add(prompt, config, plan, captures,
                             lambda out: loop.call_soon_threadsafe(queue.put_nowait, out), embeds)
         self._ensure_driver(loop)
         try:

@@ -214,16 +214,17 @@ def capture_generation(model: Model, tokens: TokensLike, points: Sequence[Addres
 # ---- async methods (what a server holds) -------------------------------------------
 
 async def _agen_steps(model: Model, prompt: list[int] | None, config: SamplingConfig, plan: Plan,
-                      embeds: torch.Tensor | None = None) -> AsyncIterator[tuple[GenStep, str | None]]:
+                      embeds: torch.Tensor | None = None, capture: Any = None
+                      ) -> AsyncIterator[tuple[GenStep, str | None]]:
     if hasattr(model.backend, "agenerate"):
         deltas = _TextDeltas(model)
-        async for raw in model.backend.agenerate(prompt, config, plan, embeds=embeds):
+        async for raw in model.backend.agenerate(prompt, config, plan, embeds=embeds, captures=capture):
             text = deltas.push(raw.token_id, raw.finish_reason is not None)
             yield GenStep(raw.token_id, text, raw.logprobs, raw.logits, raw.logprob), raw.finish_reason
         return
     # Eager: one forward per step, yielding to the event loop between steps so concurrent
     # requests interleave; each forward holds its own hooks only while it runs.
-    for item in _steps(model, prompt, config, plan, embeds=embeds):
+    for item in _steps(model, prompt, config, plan, capture, embeds=embeds):
         yield item
         await asyncio.sleep(0)
 
@@ -307,6 +308,34 @@ async def _generate_from_embeds(self: Model, embeds: torch.Tensor, sampling_para
     return full_output([], steps, finish, config.n_logprobs)
 
 
+async def _capture_generation(self: Model, token_ids: TokensLike, points: Sequence[AddressLike] | AddressLike,
+                              max_tokens: int = 16, temperature: float = 1.0, top_k: int = 0,
+                              top_p: float = 1.0, stop_at_eos: bool = True, seed: int | None = None,
+                              n_logprobs: int | None = None, steer: SteerSpec | None = None
+                              ) -> tuple[Completion, dict[Address, torch.Tensor]]:
+    """The async capture method: generate and capture ``points`` in one request, alongside
+    other requests. Returns the Completion and a plain dict keyed by Address (a string key is
+    a KeyError), rows ``[1, len(prompt) + len(generated) - 1, ...]``."""
+    prompt, config, plan = _request(self, token_ids, steer, max_tokens=max_tokens,
+                                    temperature=temperature, top_k=top_k, top_p=top_p,
+                                    stop_at_eos=stop_at_eos, seed=seed, n_logprobs=n_logprobs)
+    plan = capture_plan(self.graph, points) | plan
+    refusal = self.backend.refusal(plan, self.batch([prompt]))
+    if refusal is not None:
+        raise refusal
+    capture = self.backend.new_capture()
+    steps, finish = [], "length"
+    async for step, reason in _agen_steps(self, prompt, config, plan, capture=capture):
+        steps.append(step)
+        finish = reason or finish
+    values = self.backend.assemble(plan, capture)
+    completion = Completion(text="".join(s.token_str for s in steps),
+                            token_ids=tuple(s.token_id for s in steps), finish_reason=finish,
+                            logprobs=None if n_logprobs is None else tuple(s.logprobs for s in steps))
+    return completion, {a: values[a] for a in plan.reads}
+
+
+Model.capture_generation = _capture_generation  # type: ignore[attr-defined]
 Model.generate_text = _generate_text  # type: ignore[attr-defined]
 Model.generate_stream = _generate_stream  # type: ignore[attr-defined]
 Model.generate_full = _generate_full  # type: ignore[attr-defined]
