@@ -52,6 +52,27 @@ def _ensure_expert_group() -> None:
                                           tp.backend if hasattr(tp, "backend") else "gloo", group_name="ep")
 
 
+def _soft_shutdown(core) -> None:
+    core.model_executor.shutdown()
+    core.scheduler.shutdown()
+
+
+def _replace_finalizer(llm):
+    """vLLM's in-process client shuts down with ``cleanup_dist_env_and_memory()``, which tears
+    down the process-wide parallel state and so breaks every other engine in the process, also
+    when an LLM is merely garbage-collected. Swap it for a shutdown of this engine's executor
+    and scheduler only; returns the finalizer (call it to close the engine now)."""
+    import weakref
+
+    client = llm.llm_engine.engine_core
+    original = getattr(client, "_finalizer", None)
+    core = getattr(client, "engine_core", None)
+    if original is None or core is None:  # another client type: keep vLLM's own behaviour
+        return getattr(original, "__call__", lambda: None)
+    original.detach()
+    return weakref.finalize(llm, _soft_shutdown, core)
+
+
 # ---- per-request state ----------------------------------------------------------------
 
 @dataclass
@@ -146,6 +167,7 @@ class VllmBackend:
                 torch.set_rng_state(states[0])
                 random.setstate(states[1])
                 np.random.set_state(states[2])
+            self._finalizer = _replace_finalizer(self._llm)
             worker = self._llm.llm_engine.model_executor.driver_worker.worker
             self._runner = worker.model_runner
             self._root: nn.Module = self._runner.model
@@ -158,13 +180,7 @@ class VllmBackend:
             return
         import gc
 
-        client = self._llm.llm_engine.engine_core
-        finalizer = getattr(client, "_finalizer", None)
-        core = getattr(client, "engine_core", None)
-        if finalizer is not None and core is not None:
-            finalizer.detach()
-            core.model_executor.shutdown()
-            core.scheduler.shutdown()
+        self._finalizer()
         self._llm = self._root = self._runner = None
         self._modules.clear()
         gc.collect()

@@ -340,3 +340,16 @@ def test_starting_an_engine_leaves_the_callers_random_streams_alone():
         assert torch.equal(torch.rand(3), expected[0]) and random.random() == expected[1]
     finally:
         model.backend.close()
+
+
+def test_dropping_a_vllm_model_leaves_other_engines_working(model_pool):
+    import gc
+
+    survivor = model_pool.get("qwen3", "vllm", enable_prompt_embeds=True)
+    tokens = survivor.to_tokens(PROMPTS[0])
+    before = [s.token_id for s in generate_stream(survivor, tokens, max_tokens=4, temperature=0.0)]
+    doomed = load_model(tiny_model("llama"), backend="vllm")
+    doomed.warmup()
+    del doomed
+    gc.collect()  # vLLM's own finalizer would tear down the process-wide parallel state here
+    assert [s.token_id for s in generate_stream(survivor, tokens, max_tokens=4, temperature=0.0)] == before
