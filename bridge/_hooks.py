@@ -14,8 +14,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from interp_engine._address import Address
-from interp_engine._plan import Plan, SteerOp
+from interp_engine._plan import SteerOp
 
 __all__ = ["ForwardWindow", "HookSet", "apply_op", "select_columns"]
 

@@ -7,7 +7,7 @@ they never touch hooks and never mutate their inputs. A backend lowers a Plan on
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Iterable, Sequence, Union
 
 import torch
