@@ -45,7 +45,7 @@ def steer(model: Model, spec: SteerSpec) -> Iterator[SteerSpec]:
         raise TypeError(f"steer takes a SteerSpec, got {type(spec).__name__}: build one with "
                         "SteerSpec.add / .ablate / .set")
     steer_plan(model.graph, spec, model.dtype)  # raise now, before any forward
-    _check_writes(model, Plan(writes=spec.ops))
+    _refuse(model, Plan(writes=spec.ops))
     token = _ACTIVE.set(_ACTIVE.get() + ((id(model), spec),))
     try:
         yield spec
@@ -62,8 +62,9 @@ def active_steering(model: Model) -> SteerSpec:
     return spec
 
 
-def _check_writes(model: Model, plan: Plan) -> None:
-    refusal = model.backend.refusal(plan, None)
+def _refuse(model: Model, plan: Plan, batch=None, gradients: bool = False) -> None:
+    """Raise the backend's CapabilityUnsupported for this plan, before any forward."""
+    refusal = model.backend.refusal(plan, batch, gradients=gradients)
     if refusal is not None:
         raise refusal
 
@@ -94,9 +95,7 @@ def run_with_cache(model: Model, tokens: TokensLike, points: Sequence[AddressLik
     plan = _plan(model, points)
     if not detach and not model.grad_support.through_forward:
         raise CapabilityUnsupported("gradients", model.backend_name)
-    refusal = model.backend.refusal(plan, batch, gradients=not detach)
-    if refusal is not None:
-        raise refusal
+    _refuse(model, plan, batch, gradients=not detach)
     if return_logits and model.backend_name != "eager":
         raise CapabilityUnsupported("logits_in_stream", model.backend_name)
     values, logits = model.backend.run_with_cache(plan, batch, detach, want_logits=return_logits)
@@ -160,9 +159,7 @@ def _sampling(model: Model, **kwargs) -> SamplingConfig:
 
 def _steps(model: Model, prompt: list[int] | None, config: SamplingConfig, plan: Plan,
            capture: Any = None, embeds: torch.Tensor | None = None) -> Iterator[tuple[GenStep, str | None]]:
-    refusal = model.backend.refusal(plan, None)
-    if refusal is not None:
-        raise refusal
+    _refuse(model, plan)
     deltas = _TextDeltas(model)
     for raw in model.backend.generate(prompt, config, plan, capture, embeds=embeds):
         text = deltas.push(raw.token_id, raw.finish_reason is not None)
@@ -191,9 +188,6 @@ def capture_generation(model: Model, tokens: TokensLike, points: Sequence[Addres
                        top_p=top_p, stop_at_eos=stop_at_eos, seed=seed, n_logprobs=n_logprobs)
     prompt = _prompt_ids(model, tokens)
     plan = _plan(model, points)
-    refusal = model.backend.refusal(plan, model.batch([prompt]))
-    if refusal is not None:
-        raise refusal
     capture = model.backend.new_capture()
     steps, finish = [], "length"
     for step, reason in _steps(model, prompt, config, plan, capture):
@@ -217,6 +211,7 @@ async def _agen_steps(model: Model, prompt: list[int] | None, config: SamplingCo
                       embeds: torch.Tensor | None = None, capture: Any = None
                       ) -> AsyncIterator[tuple[GenStep, str | None]]:
     if hasattr(model.backend, "agenerate"):
+        _refuse(model, plan)
         deltas = _TextDeltas(model)
         async for raw in model.backend.agenerate(prompt, config, plan, embeds=embeds, captures=capture):
             text = deltas.push(raw.token_id, raw.finish_reason is not None)
@@ -320,9 +315,7 @@ async def _capture_generation(self: Model, token_ids: TokensLike, points: Sequen
                                     temperature=temperature, top_k=top_k, top_p=top_p,
                                     stop_at_eos=stop_at_eos, seed=seed, n_logprobs=n_logprobs)
     plan = capture_plan(self.graph, points) | plan
-    refusal = self.backend.refusal(plan, self.batch([prompt]))
-    if refusal is not None:
-        raise refusal
+    _refuse(self, plan)
     capture = self.backend.new_capture()
     steps, finish = [], "length"
     async for step, reason in _agen_steps(self, prompt, config, plan, capture=capture):
