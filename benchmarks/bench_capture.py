@@ -1,5 +1,7 @@
-"""Capture overhead on eager: a plain HF forward against run_with_cache on every layer's
-resid_post, in one run, as ratios (targets: <= 1.10 tiny 1x16, <= 1.03 larger 4x128).
+"""Capture overhead on eager: HF's default forward (its fast SDPA attention) against
+run_with_cache of every layer's resid_post, in one run, as ratios. Targets: <= 1.10 at 1x16 on
+the tiny model, <= 1.05 at 4x128 and 1x1024 on the ~25M-parameter one. The last line of each
+block shows what reading ``pattern`` costs (it needs the eager attention kernel).
 
     .venv/bin/python benchmarks/bench_capture.py [--repeats N]
 """
@@ -41,16 +43,19 @@ def bench(variant: str, batch: int, pos: int, repeats: int, target: str) -> None
             for handle in handles:
                 handle.remove()
 
+    pattern = [Address("pattern", model.n_layers - 1)]
+    assert hf.config._attn_implementation == "sdpa", hf.config._attn_implementation
     medians = interleaved_medians({
-        "HF forward (all logits)": plain,
+        "HF forward (default: sdpa, all logits)": plain,
+        "run_with_cache resid_post x all (default)": lambda: run_with_cache(model, ids, points),
         "run_with_cache resid_post x all, +logits": lambda: run_with_cache(model, ids, points, return_logits=True),
         "HF forward (last logits only)": plain_hidden,
-        "run_with_cache resid_post x all (default)": lambda: run_with_cache(model, ids, points),
         "bare forward hooks (the floor)": bare_hooks,
+        "run_with_cache one pattern (eager kernel)": lambda: run_with_cache(model, ids, pattern),
     }, repeats=repeats)
     report(f"qwen3 {variant}: {n_params / 1e6:.1f}M params, {model.n_layers} layers, {batch}x{pos} tokens",
-           medians, "HF forward (all logits)",
-           {"run_with_cache resid_post x all, +logits": target})
+           medians, "HF forward (default: sdpa, all logits)",
+           {"run_with_cache resid_post x all (default)": target})
     same = medians["run_with_cache resid_post x all (default)"] / medians["HF forward (last logits only)"]
     floor = medians["bare forward hooks (the floor)"] / medians["HF forward (last logits only)"]
     print(f"  capture overhead at equal work (default vs last-logits forward): ratio {same:.3f}   target {target}")
@@ -63,7 +68,8 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(max(1, torch.get_num_threads()))
     bench("tiny", 1, 16, args.repeats, "<= 1.10")
-    bench("bench", 4, 128, max(10, args.repeats // 10), "<= 1.03")
+    bench("bench", 4, 128, max(10, args.repeats // 10), "<= 1.05")
+    bench("bench", 1, 1024, max(6, args.repeats // 20), "<= 1.05")
 
 
 if __name__ == "__main__":

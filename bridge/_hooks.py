@@ -2,7 +2,8 @@
 on named modules, scoped to one forward call and removed on every path.
 
 Hook closures do the least possible work (no shape checks, no allocation beyond the op):
-they run on every layer of every decode step.
+they run on every layer of every decode step. The op math and row selection they apply are the
+backend-neutral ones in ``interp_engine._ops``.
 """
 
 from __future__ import annotations
@@ -14,9 +15,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from interp_engine._plan import SteerOp
-
-__all__ = ["ForwardWindow", "HookSet", "apply_op", "select_columns"]
+__all__ = ["ForwardWindow", "HookSet"]
 
 
 @dataclass(frozen=True)
@@ -27,46 +26,12 @@ class ForwardWindow:
     length: int
     prompt_len: int | None  # None: the whole input is prompt (no generation)
 
+    def positions(self) -> torch.Tensor:
+        return torch.arange(self.start, self.start + self.length)
 
-def select_columns(op: SteerOp, window: ForwardWindow):
-    """(cols, rows) for an op in a window: cols None = every column; () = skip this forward."""
-    prompt_len = window.prompt_len if window.prompt_len is not None else window.start + window.length
-    lo, hi = window.start, window.start + window.length
-    if op.positions == "all":
-        return None, None
-    if op.positions == "prompt":
-        end = min(hi, prompt_len) - lo
-        if end <= 0:
-            return (), None
-        return (None if end >= window.length else slice(0, end)), None
-    if op.positions == "generated":
-        begin = max(lo, prompt_len) - lo
-        if begin >= window.length:
-            return (), None
-        return (None if begin == 0 else slice(begin, window.length)), None
-    pairs = [(p - lo, j) for j, p in enumerate(op.positions) if lo <= p < hi]
-    if not pairs:
-        return (), None
-    cols = torch.tensor([c for c, _ in pairs], dtype=torch.long)
-    rows = torch.tensor([j for _, j in pairs], dtype=torch.long) if op.vector.dim() == 2 else None
-    return cols, rows
-
-
-def apply_op(kind: str, x: torch.Tensor, vec: torch.Tensor, cols, rows) -> torch.Tensor:
-    """Apply one steering op to ``x`` ``[batch, pos, d_model]`` (out of place)."""
-    region = x if cols is None else x[:, cols]
-    v = vec if rows is None else vec[rows]
-    if kind == "add":
-        new = region + v
-    elif kind == "set":
-        new = v.to(region.dtype).expand_as(region)
-    else:  # ablate: v is a unit direction
-        new = region - (region @ v).unsqueeze(-1) * v
-    if cols is None:
-        return new
-    out = x.clone()
-    out[:, cols] = new
-    return out
+    @property
+    def prompt_end(self) -> int:
+        return self.prompt_len if self.prompt_len is not None else self.start + self.length
 
 
 class HookSet:

@@ -2,40 +2,48 @@
 
 Hooks are registered for one forward call and removed in ``finally``; concurrent generations
 on one model interleave whole forwards under a lock, each with its own hooks, so they never
-see each other's steering.
+see each other's steering. The attention kernel is chosen per forward from the plan: the
+model's fast default (SDPA) unless the plan reads ``pattern`` (only the eager kernel forms the
+probabilities) or the architecture needs the eager kernel (Gemma 2's soft-capping).
 """
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import AsyncIterator, Iterator
 
 import torch
 from torch import nn
 
 from interp_engine._address import Address
+from interp_engine._backend import RawStep
 from interp_engine._graph import GradSupport, ModelGraph
+from interp_engine._ops import apply_write, reshape_point, select_rows
 from interp_engine._plan import Plan, SteerOp
 from interp_engine._sampling import SamplingConfig, sample_next
 from interp_engine._tokens import TokenBatch
 from specs import ArchSpec, Tap
 
-from ._hooks import ForwardWindow, HookSet, apply_op, select_columns
+from ._hooks import ForwardWindow, HookSet
+from .outputs import full_output
 
-__all__ = ["EagerBackend", "RawStep"]
+__all__ = ["EagerBackend", "load_eager"]
 
 
-@dataclass(frozen=True, eq=False)
-class RawStep:
-    """One generated token as a backend reports it."""
+def load_eager(path, spec: ArchSpec, graph: ModelGraph, *, dtype: torch.dtype, device,
+               requires_grad: bool, max_model_len: int) -> "EagerBackend":
+    """Load the transformers model with its fast default attention kernel (or the eager one
+    where the architecture needs it) and wrap it."""
+    from transformers import AutoModelForCausalLM
 
-    token_id: int
-    logprobs: list[dict] | None
-    logits: torch.Tensor | None
-    finish_reason: str | None  # None while generating; "stop" (EOS) or "length" on the last
-    logprob: float | None = None  # of the sampled token, when logprobs were asked
+    kwargs = {"attn_implementation": "eager"} if spec.eager_attention_only else {}
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, **kwargs).to(device)
+    hf.eval()
+    hf.requires_grad_(requires_grad)
+    return EagerBackend(hf, spec, graph, requires_grad, max_model_len)
 
 
 @dataclass
@@ -51,19 +59,24 @@ class EagerBackend:
     name = "eager"
     hooks_available = True
     graph_replay = False
+    static_points: tuple[Address, ...] = ()
+    static_writes: tuple[Address, ...] = ()
+    prompt_embeds = True
 
-    def __init__(self, hf_model: nn.Module, spec: ArchSpec, graph: ModelGraph, requires_grad: bool) -> None:
+    def __init__(self, hf_model: nn.Module, spec: ArchSpec, graph: ModelGraph, requires_grad: bool,
+                 max_model_len: int) -> None:
         self.hf = hf_model
         self.spec = spec
         self.graph = graph
         self.requires_grad = requires_grad
+        self.max_model_len = max_model_len
         self._modules: dict[str, nn.Module] = {}
-        self._vectors: dict[int, tuple[SteerOp, torch.Tensor]] = {}
         self._keys: dict[Address, tuple[str, str]] = {}
         self._lock = threading.RLock()
         first = next(hf_model.parameters())
         self.device, self.dtype = first.device, first.dtype
         self.eos_ids = _eos_ids(hf_model)
+        self.attention = hf_model.config._attn_implementation  # the kernel it was loaded with
 
     # ---- capabilities -----------------------------------------------------------
     @property
@@ -71,7 +84,9 @@ class EagerBackend:
         if self.requires_grad:
             return GradSupport(True, True, "eager", "loaded with requires_grad=True")
         return GradSupport(True, False, "eager",
-                           "parameters are frozen; load with requires_grad=True for parameter gradients")
+                           "parameters are frozen (load with requires_grad=True for parameter "
+                           "gradients); run_with_cache(..., detach=False) still records the forward "
+                           "from the embeddings on, so gradients reach every captured tensor")
 
     def refusal(self, plan: Plan, batch: TokenBatch | None, *, gradients: bool = False):
         """Nothing in a valid plan is refused on eager."""
@@ -96,7 +111,7 @@ class EagerBackend:
             key = self._keys[address] = (tap.module_path(address.layer), tap.how)
         return key
 
-    def _lower(self, plan: Plan, window: ForwardWindow, captures: _Captures | None, detach: bool) -> HookSet:
+    def _lower(self, plan: Plan, window: ForwardWindow, captures: _Captures | None) -> HookSet:
         hooks = HookSet()
         try:
             # Order on a shared module: writes at a point, then reads of it (a capture sees the
@@ -104,14 +119,15 @@ class EagerBackend:
             # after attention's output in the layer (attn_out reads never see them).
             pre_sinks: dict[int, list] = {}
             mid_writes = []
+            positions = window.positions() if plan.writes else None
             for op in plan.writes:
-                cols, rows = select_columns(op, window)
-                if cols == ():
+                sel = select_rows(op.positions, op.per_position, positions, window.prompt_end)
+                if sel.empty:
                     continue
                 if op.address.name == "resid_mid":
-                    mid_writes.append((op, cols, rows))
+                    mid_writes.append((op, sel))
                 else:
-                    self._lower_write(hooks, op, cols, rows, pre_sinks)
+                    self._lower_write(hooks, op, sel, pre_sinks)
             if captures is not None:
                 seen: set[tuple[str, str]] = set()
                 for address in plan.reads:
@@ -121,57 +137,75 @@ class EagerBackend:
                     seen.add(key)
                     sink = captures.sinks.setdefault(key, [])
                     hooks.read(self.module(key[0]), key[1], sink)
-            for op, cols, rows in mid_writes:
-                self._lower_write(hooks, op, cols, rows, pre_sinks)
+            for op, sel in mid_writes:
+                self._lower_write(hooks, op, sel, pre_sinks)
         except BaseException:
             hooks.remove()
             raise
         return hooks
 
-    def _vector(self, op: SteerOp) -> torch.Tensor:
-        """The op's effective vector on this device, computed once per op (not per step)."""
-        entry = self._vectors.get(id(op))
-        if entry is None or entry[0] is not op:
-            if len(self._vectors) > 1024:
-                self._vectors.clear()
-            entry = (op, op.effective().to(self.device, self.dtype))
-            self._vectors[id(op)] = entry
-        return entry[1]
-
-    def _lower_write(self, hooks: HookSet, op: SteerOp, cols, rows, pre_sinks: dict) -> None:
-        vec = self._vector(op)
+    def _lower_write(self, hooks: HookSet, op: SteerOp, sel, pre_sinks: dict) -> None:
+        vec = op.placed(self.device, self.dtype)  # made once per op, not per step
         kind, layer = op.op, op.address.layer
         if op.address.name == "resid_mid":
+            # resid_mid = resid_pre + attn_out: write attn_out so that the sum takes the op.
             tap = self._tap("attn_out")
             if kind == "add":
                 hooks.write(self.module(tap.module_path(layer)), tap.how,
-                            lambda x: apply_op("add", x, vec, cols, rows))
+                            lambda x: apply_write("add", x, vec, sel))
                 return
-            # resid_mid = resid_pre + attn_out: rewrite attn_out so the sum takes the new value.
             sink = pre_sinks.get(layer)
             if sink is None:
                 sink = pre_sinks[layer] = []
                 layer_tap = self._tap("resid_pre")
                 hooks.read(self.module(layer_tap.module_path(layer)), "in", sink)
-
-            def via_attn(x, sink=sink):
-                pre = sink[-1]
-                return apply_op(kind, pre + x, vec, cols, rows) - pre
-            hooks.write(self.module(tap.module_path(layer)), tap.how, via_attn)
+            hooks.write(self.module(tap.module_path(layer)), tap.how,
+                        lambda x, sink=sink: apply_write(kind, x, vec, sel, base=sink[-1]))
             return
         tap = self._tap(op.address.name)
         hooks.write(self.module(tap.module_path(layer)), tap.how,
-                    lambda x: apply_op(kind, x, vec, cols, rows))
+                    lambda x: apply_write(kind, x, vec, sel))
 
     # ---- running ----------------------------------------------------------------
-    def _grad_context(self, detach: bool):
-        return torch.no_grad() if detach else contextlib.nullcontext()
+    @contextlib.contextmanager
+    def _kernel_for(self, plan: Plan):
+        """The eager attention kernel while a plan that reads ``pattern`` runs."""
+        config = self.hf.config
+        if self.attention == "eager" or not any(a.name == "pattern" for a in plan.reads):
+            yield
+            return
+        config._attn_implementation = "eager"
+        try:
+            yield
+        finally:
+            config._attn_implementation = self.attention
+
+    @contextlib.contextmanager
+    def _grad_mode(self, detach: bool):
+        """No autograd for a detached run. Otherwise record it, also on frozen parameters: the
+        embeddings are made to require grad, so every captured tensor has a graph to its input."""
+        if detach:
+            with torch.no_grad():
+                yield
+            return
+        if self.requires_grad:
+            yield
+            return
+
+        def track(module, args, out):
+            return out if out.requires_grad else out.detach().requires_grad_(True)
+        handle = self.hf.get_input_embeddings().register_forward_hook(track)
+        try:
+            with torch.enable_grad():
+                yield
+        finally:
+            handle.remove()
 
     def forward(self, plan: Plan, window: ForwardWindow, captures: _Captures | None, detach: bool,
                 **inputs):
         with self._lock:
-            hooks = self._lower(plan, window, captures, detach)
-            with hooks.active(), self._grad_context(detach):
+            hooks = self._lower(plan, window, captures)
+            with hooks.active(), self._kernel_for(plan), self._grad_mode(detach):
                 out = self.hf(**inputs)
             if captures is not None:
                 captures.windows.append(window)
@@ -199,7 +233,7 @@ class EagerBackend:
 
     def assemble(self, plan: Plan, captures: _Captures) -> dict[Address, torch.Tensor]:
         """Turn raw per-forward tensors into ``[batch, pos, ...]`` per Address."""
-        graph, b = self.graph, captures.batch
+        b = captures.batch
         values: dict[Address, torch.Tensor] = {}
         total = sum(w.length for w in captures.windows)
         for address in plan.reads:
@@ -207,12 +241,7 @@ class EagerBackend:
             raw = captures.sinks[self._read_key(address)]
             pieces = []
             for t, w in zip(raw, captures.windows):
-                if tap.post == "heads":
-                    t = t.reshape(b, w.length, graph.n_heads, graph.d_head)
-                elif tap.post == "kv_heads":
-                    t = t.reshape(b, w.length, graph.n_kv_heads, graph.d_head)
-                elif tap.post == "flat":
-                    t = t.reshape(b, w.length, -1)
+                t = reshape_point(t, tap.post, self.graph, (b, w.length))
                 if address.name == "pattern" and t.shape[-1] < total:
                     # Keys are the most recent ones up to this window's end (a sliding-window
                     # cache keeps fewer than all): place them at their absolute positions.
@@ -227,7 +256,7 @@ class EagerBackend:
 
     # ---- generation -------------------------------------------------------------
     def generate(self, prompt: list[int] | None, config: SamplingConfig, plan: Plan,
-                 captures: _Captures | None = None, embeds: torch.Tensor | None = None
+                 capture: _Captures | None = None, embeds: torch.Tensor | None = None
                  ) -> Iterator[RawStep]:
         """Greedy or sampled decoding with the KV cache; one hooked forward per step."""
         from transformers import DynamicCache
@@ -242,6 +271,8 @@ class EagerBackend:
                 generator.manual_seed(config.seed)
             else:
                 generator.seed()  # non-deterministic, and the global RNG is left alone
+        stops = frozenset(config.stop_token_ids) | (self.eos_ids if config.stop_at_eos else frozenset())
+        banned = torch.tensor(sorted(stops), dtype=torch.long) if config.min_tokens and stops else None
         past = DynamicCache(config=self.hf.config)
         prompt_len = len(prompt) if prompt is not None else int(embeds.shape[0])
         if embeds is not None:
@@ -251,19 +282,22 @@ class EagerBackend:
         start, length = 0, prompt_len
         for step in range(config.max_tokens):
             window = ForwardWindow(start, length, prompt_len)
-            out = self.forward(plan, window, captures, True, past_key_values=past, use_cache=True,
+            out = self.forward(plan, window, capture, True, past_key_values=past, use_cache=True,
                                logits_to_keep=1, **inputs)
             logits = out.logits[0, -1].float()
-            token = sample_next(logits, config, generator)
+            scores = logits
+            if banned is not None and step < config.min_tokens:  # as vLLM: stop tokens masked
+                scores = logits.index_fill(0, banned, float("-inf"))
+            token = sample_next(scores, config, generator)
             logprobs = sampled = None
-            if config.n_logprobs is not None:
+            if config.n_logprobs is not None:  # raw logprobs, before any masking (vLLM's default)
                 lp = torch.log_softmax(logits, dim=-1)
                 values, ids = torch.topk(lp, config.n_logprobs)
                 logprobs = [{"token_id": int(i), "logprob": float(v)}
                             for v, i in zip(values.tolist(), ids.tolist())]
                 sampled = float(lp[token])
             finish = None
-            if config.stop_at_eos and token in self.eos_ids:
+            if token in stops:
                 finish = "stop"
             elif step == config.max_tokens - 1:
                 finish = "length"
@@ -274,14 +308,30 @@ class EagerBackend:
             length = 1
             inputs = {"input_ids": torch.tensor([[token]], dtype=torch.long, device=self.device)}
 
+    async def agenerate(self, prompt: list[int] | None, config: SamplingConfig, plan: Plan,
+                        capture: _Captures | None = None, embeds: torch.Tensor | None = None
+                        ) -> AsyncIterator[RawStep]:
+        """One forward per step, yielding to the event loop between steps so concurrent
+        requests interleave; each forward holds its own hooks only while it runs."""
+        steps = self.generate(prompt, config, plan, capture, embeds=embeds)
+        try:
+            for raw in steps:
+                yield raw
+                await asyncio.sleep(0)
+        finally:
+            steps.close()
+
     def new_capture(self) -> _Captures:
         return _Captures(batch=1)
+
+    def request_output(self, prompt_ids: list[int], steps: list, finish: str, n_logprobs: int | None):
+        return full_output(prompt_ids, steps, finish, n_logprobs)
 
     def head_contributions(self, layer: int, z: torch.Tensor) -> torch.Tensor:
         """``z`` ``[batch, pos, n_heads, d_head]`` through each head's slice of o_proj."""
         weight = self.module(self._tap("z").module_path(layer)).weight
         w = weight.reshape(weight.shape[0], self.graph.n_heads, self.graph.d_head)
-        with self._grad_context(not z.requires_grad):
+        with torch.set_grad_enabled(z.requires_grad):
             return torch.einsum("bphd,mhd->bphm", z.to(weight.device, weight.dtype), w)
 
     # ---- lens -------------------------------------------------------------------
@@ -289,7 +339,7 @@ class EagerBackend:
         """Final norm, unembedding, and the architecture's soft-cap: raw logits."""
         norm = self.module(self.spec.final_norm_path)
         head = self.module(self.spec.unembed_path)
-        with self._grad_context(not resid.requires_grad):
+        with torch.set_grad_enabled(resid.requires_grad):
             logits = head(norm(resid.to(self.device, self.dtype)))
             cap = self.graph.final_logit_softcap
             if cap:
@@ -299,6 +349,13 @@ class EagerBackend:
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():
             return self.hf.get_input_embeddings()(ids.to(self.device))
+
+    # ---- lifetime ---------------------------------------------------------------
+    def warmup(self) -> None:
+        """Nothing to start: the model is loaded."""
+
+    def close(self) -> None:
+        """Nothing to release beyond what garbage collection frees."""
 
 
 def _zero_pads(address: Address, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -108,21 +108,3 @@ def full_output(prompt_ids: list[int], steps: list, finish: str, n_logprobs: int
     cls = _full_cls(Request)
     return cls(request_id=f"interp-{next(_ids)}", prompt=None, prompt_token_ids=list(prompt_ids),
                prompt_logprobs=None, outputs=[completion], finished=True)
-
-
-def sampling_from_vllm(params: Any) -> dict:
-    """Read the fields this library honours from a ``vllm.SamplingParams`` (None: defaults)."""
-    if params is None:
-        return {}
-    if isinstance(params, dict):
-        return dict(params)
-    top_k = getattr(params, "top_k", 0) or 0
-    return {
-        "max_tokens": params.max_tokens if params.max_tokens is not None else 16,
-        "temperature": float(params.temperature),
-        "top_k": 0 if top_k < 0 else int(top_k),
-        "top_p": float(params.top_p),
-        "stop_at_eos": not bool(getattr(params, "ignore_eos", False)),
-        "seed": params.seed,
-        "n_logprobs": params.logprobs,
-    }

@@ -24,15 +24,17 @@ import torch
 from torch import nn
 
 from interp_engine._address import Address
+from interp_engine._backend import RawStep
 from interp_engine._capabilities import CapabilityUnsupported
 from interp_engine._graph import GradSupport, ModelGraph
+from interp_engine._ops import apply_write, reshape_point, select_rows, stored
 from interp_engine._plan import Plan, SteerOp
 from interp_engine._points import POINTS
 from interp_engine._sampling import SamplingConfig
 from interp_engine._tokens import TokenBatch
 from specs import ArchSpec, VllmTap
 
-from .eager import RawStep
+from .outputs import full_output
 
 __all__ = ["VllmBackend"]
 
@@ -50,6 +52,31 @@ def _ensure_expert_group() -> None:
     tp = ps.get_tp_group()
     ps._EP = ps.init_model_parallel_group([list(tp.ranks)], ps.get_world_group().local_rank,
                                           tp.backend if hasattr(tp, "backend") else "gloo", group_name="ep")
+
+
+def check_engine_kwargs(kwargs: dict) -> None:
+    """Refuse, before any engine starts, an engine argument vLLM does not have or a value of
+    the wrong type, naming the argument (vLLM itself fails late and elsewhere)."""
+    import dataclasses
+    import difflib
+
+    from beartype.door import is_bearable
+    from vllm.engine.arg_utils import EngineArgs
+
+    fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
+    for key, value in kwargs.items():
+        field_ = fields.get(key)
+        if field_ is None:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"unknown vLLM engine argument {key!r}{hint} (engine arguments are the fields "
+                            "of vllm.EngineArgs)")
+        try:
+            ok = is_bearable(value, field_.type)
+        except Exception:  # a hint beartype cannot check: leave it to vLLM
+            ok = True
+        if not ok:
+            raise TypeError(f"vLLM engine argument {key}={value!r} has the wrong type: expected {field_.type}")
 
 
 def _soft_shutdown(core) -> None:
@@ -104,8 +131,9 @@ class VllmBackend:
     static_points: tuple[Address, ...] = ()
     static_writes: tuple[Address, ...] = ()
 
-    def __init__(self, path, spec: ArchSpec, graph: ModelGraph, *, dtype: torch.dtype, tokenizer: Any,
+    def __init__(self, path, spec: ArchSpec, graph: ModelGraph, *, dtype: torch.dtype, max_model_len: int,
                  enable_prompt_embeds: bool = False, **engine_kwargs: Any) -> None:
+        check_engine_kwargs(engine_kwargs)
         if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "0") != "0":
             raise CapabilityUnsupported(
                 "vllm_architecture", "vllm",
@@ -122,14 +150,13 @@ class VllmBackend:
                                  "positions (and reuses unsteered KV); speculative decoding captures "
                                  "rejected draft rows")
         self.path, self.spec, self.graph, self.dtype = path, spec, graph, dtype
-        self.tokenizer = tokenizer
         self.prompt_embeds = bool(enable_prompt_embeds)
         self.requires_grad = False
-        max_len = int(engine_kwargs.pop("max_model_len", 0) or 0) or None
+        self.max_model_len = max_model_len
         self._kwargs = dict(
             model=str(path), dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
             seed=0, max_logprobs=graph.d_vocab, enable_prompt_embeds=self.prompt_embeds,
-            **({"max_model_len": max_len} if max_len else {}), **engine_kwargs,
+            max_model_len=max_model_len, **engine_kwargs,
         )
         self._llm = None
         self._lock = threading.RLock()
@@ -220,7 +247,8 @@ class VllmBackend:
             max_tokens=config.max_tokens, temperature=float(config.temperature), top_k=int(config.top_k),
             top_p=float(config.top_p), seed=config.seed, logprobs=config.n_logprobs,
             ignore_eos=not config.stop_at_eos, output_kind=RequestOutputKind.DELTA,
-            skip_special_tokens=True, detokenize=False,
+            skip_special_tokens=True, detokenize=False, stop_token_ids=list(config.stop_token_ids),
+            min_tokens=config.min_tokens,
         )
 
     def _add(self, prompt: list[int] | None, config: SamplingConfig, plan: Plan, capture: _Capture | None,
@@ -235,7 +263,7 @@ class VllmBackend:
             engine_prompt = {"prompt_token_ids": list(prompt)}
             prompt_len = len(prompt)
         device = next(self._root.parameters()).device  # moved once, not in every hook call
-        vectors = tuple(op.effective().to(device, self.dtype) for op in plan.writes)
+        vectors = tuple(op.placed(device, self.dtype) for op in plan.writes)
         with self._lock:
             external = f"interp-{next(_ids)}"
             internal = llm.llm_engine.add_request(external, engine_prompt, self._sampling_params(config))
@@ -330,54 +358,24 @@ class VllmBackend:
         return None
 
     def _selection(self, request: _Request, i: int, s: int, e: int):
-        """(row index tensor or None for all rows, vector rows or None) of op i in this forward."""
+        """Which rows of s:e op i writes in this forward (computed once per forward)."""
         key = (id(request), i)
-        if key in self._selections:
-            return self._selections[key]
-        op = request.plan.writes[i]
-        pos = self._forward_positions[s:e]
-        if op.positions == "all":
-            sel = (None, None)
-        elif op.positions == "prompt":
-            sel = (torch.nonzero(pos < request.prompt_len).flatten(), None)
-        elif op.positions == "generated":
-            sel = (torch.nonzero(pos >= request.prompt_len).flatten(), None)
-        else:
-            wanted = torch.tensor(op.positions, dtype=pos.dtype)
-            match = pos[:, None] == wanted[None, :]
-            rows, cols = torch.nonzero(match, as_tuple=True)
-            sel = (rows, cols if op.vector.dim() == 2 else None)
-        if sel[0] is not None and sel[0].numel() == e - s and sel[1] is None:
-            sel = (None, None)
-        self._selections[key] = sel
+        sel = self._selections.get(key)
+        if sel is None:
+            op = request.plan.writes[i]
+            sel = select_rows(op.positions, op.per_position, self._forward_positions[s:e], request.prompt_len)
+            self._selections[key] = sel
         return sel
 
     def _apply(self, request: _Request, i: int, x: torch.Tensor, s: int, e: int,
                base: torch.Tensor | None) -> None:
-        """In place on ``x`` (a fresh copy): rows s:e get op i; ``base`` is what x is offset by
-        (the value the op reads is x + base, and the result is written back minus base)."""
-        op: SteerOp = request.plan.writes[i]
-        vec = request.vectors[i]
-        rows, vrows = self._selection(request, i, s, e)
-        if rows is not None and rows.numel() == 0:
+        """Rows s:e of ``x`` (a fresh copy) get op i; ``base`` is what x is offset by (the value
+        the op reads is x + base, and the result is written back minus base)."""
+        sel = self._selection(request, i, s, e)
+        if sel.empty:
             return
-        block = x[s:e] if rows is None else x[s:e][rows]
-        if vrows is not None:
-            vec = vec[vrows]
-        if op.op == "add":
-            new = block + vec
-        else:
-            b = None if base is None else (base[s:e] if rows is None else base[s:e][rows])
-            full = block if b is None else block + b
-            if op.op == "set":
-                out = vec.expand_as(full)
-            else:
-                out = full - (full @ vec).unsqueeze(-1) * vec
-            new = out if b is None else out - b
-        if rows is None:
-            x[s:e] = new
-        else:
-            x[s + rows] = new
+        op: SteerOp = request.plan.writes[i]
+        x[s:e] = apply_write(op.op, x[s:e], request.vectors[i], sel, None if base is None else base[s:e])
 
     def _write_hook(self, name: str, source: str, path: str, subs: list[tuple[_Request, int]]):
         module = self.module(path)
@@ -435,8 +433,7 @@ class VllmBackend:
             pos = positions()
             for request, s, e in forward_rows():
                 if request in subs:
-                    request.capture.chunks.setdefault(key, []).append(
-                        (pos[s:e], value[s:e].detach().to("cpu", copy=True)))
+                    request.capture.chunks.setdefault(key, []).append((pos[s:e], stored(value[s:e])))
 
         if source in ("layer_in", "module_in"):
             def pre(mod, args, kwargs):
@@ -479,10 +476,8 @@ class VllmBackend:
                 raise RuntimeError(f"vLLM capture of {address} saw positions {sorted(by_pos)[:8]}... "
                                    f"({n}), expected 0..{(expected or n) - 1}; prefix caching or "
                                    "speculative decoding may be on")
-            t = torch.stack([by_pos[p] for p in range(n)]).unsqueeze(0)
-            if tap.post == "heads":
-                t = t.reshape(1, n, graph.n_heads, graph.d_head)
-            values[address] = t
+            t = torch.stack([by_pos[p] for p in range(n)])
+            values[address] = reshape_point(t, tap.post, graph, (n,)).unsqueeze(0)
         return values
 
     @staticmethod
@@ -520,7 +515,7 @@ class VllmBackend:
             self._abort(request)
 
     async def agenerate(self, prompt: list[int] | None, config: SamplingConfig, plan: Plan,
-                        embeds: torch.Tensor | None = None, captures: _Capture | None = None
+                        captures: _Capture | None = None, embeds: torch.Tensor | None = None
                         ) -> AsyncIterator[RawStep]:
         """Asynchronous generation: concurrent requests share engine steps (one batch)."""
         loop = asyncio.get_running_loop()
@@ -565,10 +560,17 @@ class VllmBackend:
 
         self._driver = loop.create_task(drive())
 
+    def request_output(self, prompt_ids: list[int], steps: list, finish: str, n_logprobs: int | None):
+        return full_output(prompt_ids, steps, finish, n_logprobs)
+
     def run_with_cache(self, plan: Plan, batch: TokenBatch, detach: bool = True, want_logits: bool = False):
+        prompt = batch.row(0)
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"the input has {len(prompt)} positions and this model's context holds "
+                             f"{self.max_model_len} (max_model_len): vLLM runs a prompt only with room "
+                             f"for one token after it, so pass at most {self.max_model_len - 1} positions")
         capture = _Capture()
         config = SamplingConfig(max_tokens=1, temperature=0.0, stop_at_eos=False)
-        prompt = batch.row(0)
         for _ in self.generate(prompt, config, plan, capture):
             pass
         return self.assemble(plan, capture, expected=len(prompt)), None

@@ -4,6 +4,7 @@ Public names are re-exported here explicitly from small private modules.
 """
 
 from ._address import Address, format_address, parse_address, to_address
+from ._backend import Backend, RawStep
 from ._api import (
     Completion,
     GenStep,
@@ -22,11 +23,12 @@ from ._graph import GradSupport, ModelGraph, ResidualBasis
 from ._model import Model, ModelNotFound, Tokenizer, load_model
 from ._plan import Plan, SteerOp, SteerSpec, capture_plan, steer_plan
 from ._points import POINTS, PointSpec
-from ._sampling import SamplingConfig, top_logprobs
+from ._sampling import SAMPLING_FIELDS, SamplingConfig, top_logprobs
+from ._shapes import DIMS, ShapeError
 from ._tokens import TokenBatch
 
 __all__ = [
-    "Address", "CAPABILITIES", "Cache", "Capability", "CapabilityUnsupported", "Completion",
+    "Address", "Backend", "CAPABILITIES", "DIMS", "RawStep", "SAMPLING_FIELDS", "ShapeError", "Cache", "Capability", "CapabilityUnsupported", "Completion",
     "GenStep", "GradSupport", "Model", "ModelGraph", "ModelNotFound", "POINTS", "Plan",
     "PointSpec", "ResidualBasis", "SamplingConfig", "SteerOp", "SteerSpec", "TokenBatch",
     "Tokenizer", "active_steering", "capture_generation", "capture_plan", "decode_residuals",

@@ -1,16 +1,24 @@
-"""An immutable activation cache keyed by Address."""
+"""An immutable activation cache keyed by Address, whose every tensor has its point's shape."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Iterator, Mapping
+from typing import Any, Iterator, Mapping
 
 import torch
 
 from ._address import Address, AddressLike, to_address
+from ._points import POINTS
 
 __all__ = ["Cache"]
+
+
+def _dims_of(address: Address, graph: Any) -> tuple[str, ...]:
+    dims = (graph.point(address.name) if graph is not None else POINTS[address.name]).dims
+    if address.stream is not None:
+        dims = tuple(d for d in dims if d != "n_streams")
+    return dims
 
 
 @dataclass(frozen=True, eq=False)
@@ -19,13 +27,44 @@ class Cache:
 
     Lookup by ``Address`` or its string form (``cache["resid_post.3"]``), or ``get(name, layer)``.
     ``attention_mask`` is ``[batch, pos]`` (1 on real tokens); padded positions hold zeros.
+    Built with ``graph`` (as every cache the library returns is), each tensor must have exactly
+    ``graph.shape_of`` its address; without one, the tensors must at least agree with each other
+    on every named dimension (one batch, one pos, one d_model...).
     """
 
     _values: Mapping[Address, torch.Tensor] = field(repr=False)
     attention_mask: torch.Tensor | None = field(default=None, repr=False)
+    graph: Any = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_values", MappingProxyType(dict(self._values)))
+        values = {to_address(a): t for a, t in dict(self._values).items()}
+        sizes: dict[str, int] = {}
+        if self.graph is not None:
+            from ._shapes import model_dims
+
+            sizes.update(model_dims(self.graph))
+        if self.attention_mask is not None:
+            mask = self.attention_mask
+            if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+                raise ValueError(f"attention_mask must be a [batch, pos] tensor, got "
+                                 f"{getattr(mask, 'shape', type(mask).__name__)}")
+            sizes["batch"], sizes["pos"] = int(mask.shape[0]), int(mask.shape[1])
+        for address, t in values.items():
+            if self.graph is not None:
+                self.graph.check_address(address)
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"cache value for {address} must be a torch.Tensor, got {type(t).__name__}")
+            dims = _dims_of(address, self.graph)
+            if t.dim() != len(dims):
+                raise ValueError(f"cache value for {address} has shape {list(t.shape)}, expected "
+                                 f"[{', '.join(dims)}] ({len(dims)} dims)")
+            for dim, size in zip(dims, t.shape):
+                dim = "pos" if dim == "key_pos" else dim
+                if sizes.setdefault(dim, int(size)) != size:
+                    expected = [sizes.get("pos" if d == "key_pos" else d, d) for d in dims]
+                    raise ValueError(f"cache value for {address} has shape {list(t.shape)}, expected "
+                                     f"{expected} ([{', '.join(dims)}]); {dim} is {sizes[dim]} here")
+        object.__setattr__(self, "_values", MappingProxyType(values))
 
     def __getitem__(self, key: AddressLike) -> torch.Tensor:
         address = to_address(key)
@@ -68,7 +107,7 @@ class Cache:
     def to(self, device: torch.device | str) -> "Cache":
         """A copy with every tensor on ``device``; the original is unchanged."""
         mask = None if self.attention_mask is None else self.attention_mask.to(device)
-        return Cache({a: t.to(device) for a, t in self._values.items()}, mask)
+        return Cache({a: t.to(device) for a, t in self._values.items()}, mask, self.graph)
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{a}: {tuple(t.shape)}" for a, t in self._values.items())

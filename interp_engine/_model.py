@@ -81,6 +81,25 @@ class Tokenizer:
             ids = ids.reshape(-1).tolist()
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def to_str_tokens(self, ids: Sequence[int] | torch.Tensor) -> list[str]:
+        """Each id's own text (special tokens included), for labelling positions."""
+        if isinstance(ids, torch.Tensor):
+            ids = ids.reshape(-1).tolist()
+        return [self.hf.decode([int(i)], skip_special_tokens=False) for i in ids]
+
+    def decode_stream(self):
+        """A function ``id -> new text or None`` that decodes one token per call (the fast
+        tokenizer's streaming decoder), or None where the tokenizer has none."""
+        rust = getattr(self.hf, "_tokenizer", None)
+        try:
+            from tokenizers.decoders import DecodeStream
+        except ImportError:  # an old tokenizers
+            return None
+        if rust is None:
+            return None
+        stream = DecodeStream(skip_special_tokens=True)
+        return lambda token_id: stream.step(rust, token_id)
+
 
 class Model:
     """A loaded model on one backend. Everything here but the generation methods answers
@@ -127,11 +146,17 @@ class Model:
 
     @property
     def static_points(self) -> tuple[Address, ...]:
-        return tuple(getattr(self.backend, "static_points", ()))
+        return tuple(self.backend.static_points)
 
     @property
     def static_writes(self) -> tuple[Address, ...]:
-        return tuple(getattr(self.backend, "static_writes", ()))
+        return tuple(self.backend.static_writes)
+
+    @property
+    def max_model_len(self) -> int:
+        """The context: prompt plus generated tokens never exceed it (generation stops there
+        with finish_reason "length", on every backend)."""
+        return int(self.backend.max_model_len)
 
     @property
     def grad_support(self) -> GradSupport:
@@ -161,6 +186,15 @@ class Model:
     def to_string(self, ids) -> str:
         return self.tok.to_string(ids)
 
+    def to_str_tokens(self, tokens) -> list[str]:
+        """The text of each token of one prompt (a string is tokenized first)."""
+        if isinstance(tokens, str):
+            tokens = self.to_tokens(tokens)
+        batch = self.batch(tokens)
+        if len(batch) != 1:
+            raise ValueError(f"to_str_tokens takes one prompt, got a batch of {len(batch)}")
+        return self.tok.to_str_tokens(batch.row(0))
+
     def batch(self, tokens: TokensLike) -> TokenBatch:
         return as_batch(tokens, self.graph.d_vocab, self.tok.pad_id)
 
@@ -174,11 +208,11 @@ class Model:
 
     def close(self) -> None:
         """Release the engine (a vLLM engine and its KV cache); other models keep working."""
-        getattr(self.backend, "close", lambda: None)()
+        self.backend.close()
 
     def warmup(self) -> None:
         """Start the engine if it is started lazily (a no-op on eager)."""
-        getattr(self.backend, "warmup", lambda: None)()
+        self.backend.warmup()
 
     def __repr__(self) -> str:
         return f"Model({self.name!r}, backend={self.backend.name!r}, {self.graph.describe()})"
@@ -188,10 +222,13 @@ class Model:
 
 def load_model(name: str | os.PathLike, backend: str = "eager", *, requires_grad: bool = False,
                dtype: torch.dtype | str | None = None, device: str | torch.device = "cpu",
-               enable_prompt_embeds: bool = False, static_points: Any = None,
+               enable_prompt_embeds: bool = False, max_model_len: int | None = None,
+               static_points: Any = None, static_writes: Any = None,
                **engine_kwargs: Any) -> Model:
     """Load a model directory, or a hub name from the local HF cache, on ``backend``
-    ("eager" or "vllm"). Switching backend is this argument and nothing else."""
+    ("eager" or "vllm"). Switching backend is this argument and nothing else.
+    ``max_model_len`` caps the context on every backend (default: the model's own);
+    other keyword arguments go to ``vllm.LLM`` on vLLM, checked by name and type here."""
     from transformers import AutoConfig, AutoTokenizer
 
     from specs import spec_for_config
@@ -202,41 +239,58 @@ def load_model(name: str | os.PathLike, backend: str = "eager", *, requires_grad
         raise CapabilityUnsupported("static_graph", backend)
     if requires_grad and backend != "eager":
         raise CapabilityUnsupported("gradients", backend)
-    if static_points is not None:
+    if static_points is not None or static_writes is not None:
         raise CapabilityUnsupported("static_graph", backend,
-                                    detail="static_points is only meaningful with backend='vllm-static'")
+                                    detail="static_points / static_writes only mean something with "
+                                           "backend='vllm-static'")
+    if backend == "eager" and engine_kwargs:
+        raise TypeError(f"unexpected arguments for backend='eager': {sorted(engine_kwargs)} "
+                        "(engine arguments go to vLLM: use backend='vllm')")
+    if not isinstance(requires_grad, bool):
+        raise TypeError(f"requires_grad must be a bool, got {requires_grad!r}")
     path = resolve_model_path(name)
     config = AutoConfig.from_pretrained(path)
     spec = spec_for_config(config)
     graph = spec.graph_from_config(config)
-    hf_tok = AutoTokenizer.from_pretrained(path)
-    tokenizer = Tokenizer(hf_tok, graph.d_vocab)
+    context = _context_length(config, max_model_len)
     torch_dtype = _dtype(dtype, config)
     if backend == "eager":
-        if engine_kwargs:
-            raise TypeError(f"unexpected arguments for backend='eager': {sorted(engine_kwargs)}")
-        from transformers import AutoModelForCausalLM
+        from bridge.eager import load_eager
 
-        from bridge.eager import EagerBackend
-
-        # The eager attention kernel everywhere: SDPA silently drops attention-logit
-        # soft-capping (Gemma 2), and only the eager kernel returns the pattern, whose capture
-        # must not change the numbers.
-        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch_dtype,
-                                                  attn_implementation="eager").to(device)
-        hf.eval()
-        hf.requires_grad_(requires_grad)
-        engine = EagerBackend(hf, spec, graph, requires_grad)
-        engine.prompt_embeds = True
+        engine = load_eager(path, spec, graph, dtype=torch_dtype, device=device,
+                            requires_grad=requires_grad, max_model_len=context)
     else:
         if not spec.vllm:
             raise CapabilityUnsupported("vllm_architecture", backend,
                                         detail=f"{spec.arch}: {spec.vllm_note}")
         from bridge.vllm import VllmBackend
 
-        engine = VllmBackend(path, spec, graph, dtype=torch_dtype, tokenizer=hf_tok,
+        engine = VllmBackend(path, spec, graph, dtype=torch_dtype, max_model_len=context,
                              enable_prompt_embeds=enable_prompt_embeds, **engine_kwargs)
+    hf_tok = AutoTokenizer.from_pretrained(path)
+    tokenizer = Tokenizer(hf_tok, graph.d_vocab)
     return Model(os.fspath(name), path, graph, spec, engine, tokenizer, config)
+
+
+def _context_length(config, requested) -> int:
+    """The model's context: its config's, or a smaller ``max_model_len`` the caller asks for."""
+    native = None
+    for key in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, key, None)
+        if isinstance(value, int) and value > 0:
+            native = value
+            break
+    if requested is None:
+        if native is None:
+            raise ValueError("this model's config names no context length (max_position_embeddings): "
+                             "pass max_model_len=")
+        return native
+    if isinstance(requested, bool) or not isinstance(requested, int) or requested < 1:
+        raise TypeError(f"max_model_len must be a positive int, got {requested!r}")
+    if native is not None and requested > native:
+        raise ValueError(f"max_model_len={requested} is above this model's context "
+                         f"(max_position_embeddings={native}): pass at most {native}")
+    return requested
 
 
 def _dtype(dtype, config) -> torch.dtype:

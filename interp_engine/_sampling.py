@@ -9,7 +9,9 @@ from dataclasses import dataclass
 import torch
 from jaxtyping import Float
 
-__all__ = ["SamplingConfig", "sample_next", "top_logprobs"]
+from ._shapes import entry
+
+__all__ = ["SAMPLING_FIELDS", "SamplingConfig", "sample_next", "sampling_from_params", "top_logprobs"]
 
 
 def _is_int(x) -> bool:
@@ -28,6 +30,8 @@ class SamplingConfig:
     seed: int | None = None
     n_logprobs: int | None = None
     d_vocab: int | None = None
+    stop_token_ids: tuple[int, ...] = ()  # finish ("stop") after generating any of these
+    min_tokens: int = 0  # EOS and stop_token_ids cannot be drawn before this many tokens
 
     def __post_init__(self) -> None:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
@@ -53,12 +57,86 @@ class SamplingConfig:
                 )
         if self.d_vocab is not None and self.top_k > self.d_vocab:
             raise ValueError(f"top_k={self.top_k} is above the vocabulary size {self.d_vocab}")
+        if self.seed is not None and self.seed >= 2**64:
+            raise ValueError(f"seed must be below 2**64 (a torch generator seed), got {self.seed}")
+        if not isinstance(self.stop_token_ids, tuple) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids must be a tuple of non-negative token ids, got {self.stop_token_ids!r}")
+        if self.d_vocab is not None and any(t >= self.d_vocab for t in self.stop_token_ids):
+            raise ValueError(f"stop_token_ids {list(self.stop_token_ids)} holds ids outside the vocabulary "
+                             f"[0, {self.d_vocab})")
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_tokens:
+            raise ValueError(f"min_tokens must be an int in [0, max_tokens={self.max_tokens}], got {self.min_tokens!r}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
 
+# ---- vllm.SamplingParams ------------------------------------------------------------------
+#
+# The one table of which SamplingParams fields this library honours. Every backend runs a
+# request from a SamplingConfig, so a field means the same on each: eager and vLLM alike.
+#   honoured : field -> (SamplingConfig field, conversion)
+#   free     : fields that do not change the tokens drawn or what is returned (the library
+#              streams and detokenises itself)
+# Any other field set to something other than its default is refused, by name.
+
+def _top_k(v):
+    return 0 if v is None or v < 0 else int(v)
+
+
+SAMPLING_FIELDS = {
+    "honoured": {
+        "max_tokens": ("max_tokens", lambda v: v),  # None: up to the end of the context
+        "temperature": ("temperature", float),
+        "top_k": ("top_k", _top_k),
+        "top_p": ("top_p", float),
+        "seed": ("seed", lambda v: v),
+        "logprobs": ("n_logprobs", lambda v: v),
+        "ignore_eos": ("stop_at_eos", lambda v: not bool(v)),
+        "stop_token_ids": ("stop_token_ids", lambda v: tuple(v or ())),
+        "min_tokens": ("min_tokens", lambda v: v),
+    },
+    "free": ("output_kind", "detokenize", "stream_interval", "skip_clone", "output_text_buffer_length",
+             "skip_reading_prefix_cache"),
+}
+
+
+def sampling_from_params(params: object) -> dict:
+    """SamplingConfig keyword arguments from a ``vllm.SamplingParams`` (None: defaults), or
+    from a dict of SamplingConfig fields. A SamplingParams field this library does not honour,
+    set to anything but its default, raises ValueError naming it."""
+    if params is None:
+        return {}
+    if isinstance(params, dict):
+        known = {f for f in SamplingConfig.__dataclass_fields__ if f != "d_vocab"}
+        unknown = sorted(set(params) - known)
+        if unknown:
+            raise ValueError(f"unknown sampling fields {unknown}; use {sorted(known)} or a vllm.SamplingParams")
+        return dict(params)
+    fields = getattr(type(params), "__struct_fields__", None)
+    if type(params).__name__ != "SamplingParams" or fields is None:
+        raise TypeError(f"sampling_params must be a vllm.SamplingParams (or a dict of SamplingConfig "
+                        f"fields, or None), got {type(params).__name__}")
+    default = type(params)()
+    honoured, free = SAMPLING_FIELDS["honoured"], SAMPLING_FIELDS["free"]
+    out = {}
+    for name in fields:
+        if name.startswith("_") or name in free:
+            continue
+        value = getattr(params, name)
+        if name in honoured:
+            target, convert = honoured[name]
+            out[target] = convert(value)
+        elif value != getattr(default, name):
+            raise ValueError(
+                f"SamplingParams.{name}={value!r} is not honoured by interp_engine (on any backend), "
+                f"and would be dropped silently: leave it at its default ({getattr(default, name)!r}). "
+                f"Honoured fields: {', '.join(honoured)}")
+    return out
+
+
+@entry
 def top_logprobs(logits: Float[torch.Tensor, "d_vocab"], k: int) -> list[dict]:
     """The k most likely tokens of one position: ``[{"token_id", "logprob"}, ...]``, best first."""
     if not isinstance(logits, torch.Tensor) or logits.dim() != 1:

@@ -123,7 +123,12 @@ def test_capture_never_changes_outputs(model_pool, arch, backend):
         if backend == "eager":
             plain = _logits(model, ids)
             with_capture, _ = run_with_cache(model, ids, points, return_logits=True)
-            assert torch.equal(plain, with_capture)
+            if any(p.name == "pattern" for p in points) and model.backend.attention != "eager":
+                # only the eager attention kernel forms the pattern: the same numbers as the fast
+                # kernel to fp32 rounding, not bit for bit
+                assert_close_scaled(with_capture, plain, msg="logits with pattern captured")
+            else:
+                assert torch.equal(plain, with_capture)
         else:
             plain = _greedy(model, ids, 4)
             completion, _ = capture_generation(model, ids, points, max_tokens=4, temperature=0.0, n_logprobs=2)

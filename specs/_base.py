@@ -70,6 +70,9 @@ class ArchSpec:
     vllm_final_norm_path: str = "model.norm"
     vllm_unembed_path: str = "lm_head"
     vllm_note: str = ""
+    # Why this architecture must run the eager attention kernel on the eager backend (a feature
+    # the fast SDPA kernel lacks), or "" when the fast default is exact.
+    eager_attention_only: str = ""
 
     def point_table(self, graph_dims: Mapping[str, tuple[str, ...]] | None = None) -> tuple[PointSpec, ...]:
         dims = graph_dims or {}

@@ -20,4 +20,5 @@ SPEC = ArchSpec(
     # Gemma 2 adds attention to the residual at the pre-feedforward fused norm.
     vllm_writes=merged({}, resid_mid=VllmTap("fused_in_sum", LAYER + ".pre_feedforward_layernorm")),
     vllm_unembed_path="model.embed_tokens",  # vLLM ties Gemma 2 logits to the embedding
+    eager_attention_only="SDPA silently drops Gemma 2's attention-logit soft-capping",
 )

@@ -257,6 +257,35 @@ def test_detach_default_and_frozen_model(eager_models):
         run_with_cache(model, model.to_tokens(PROMPT), ["resid_post.0"], detach="no")
 
 
+@pytest.mark.parametrize("arch", ["qwen3", "gemma2"])
+def test_a_frozen_model_gives_gradients_to_its_captures(eager_models, arch):
+    """grad_support.through_forward is true on a frozen model, so detach=False must record the
+    forward: the gradient of a later capture with respect to an earlier one equals a finite
+    difference taken by really perturbing the earlier point (a steering add there)."""
+    model = eager_models[arch]
+    assert model.grad_support.through_forward and not model.grad_support.to_parameters
+    ids = model.to_tokens(PROMPT)
+    cache = run_with_cache(model, ids, ["resid_post.0", "resid_post.2"], detach=False)
+    early, late = cache["resid_post.0"], cache["resid_post.2"]
+    assert early.grad_fn is not None and late.grad_fn is not None
+    weights = torch.randn(late.shape, generator=torch.Generator().manual_seed(0))
+    (grad,) = torch.autograd.grad((late * weights).sum(), early)
+    assert not any(p.grad is not None for p in model.hf.parameters())  # parameters stay frozen
+    pos, eps = 3, 1e-2
+    direction = torch.zeros(model.d_model)
+    direction[5] = 1.0
+
+    def objective(sign):
+        spec = SteerSpec.add("resid_post.0", direction, scale=sign * eps, positions=[pos])
+        with steer(model, spec):
+            later = run_with_cache(model, ids, ["resid_post.2"])["resid_post.2"].double()
+        return float((later * weights.double()).sum())
+
+    finite = (objective(+1) - objective(-1)) / (2 * eps)
+    assert finite == pytest.approx(float(grad[0, pos, 5]), rel=2e-2, abs=1e-3)
+    assert float(grad[0, pos + 1:].abs().sum()) > 0 and float(grad[0, :pos].abs().sum()) > 0
+
+
 # ---- hooks are removed on every path ------------------------------------------------------
 
 def test_hooks_removed_after_normal_calls(eager_model):
@@ -303,7 +332,7 @@ def test_hooks_removed_when_a_module_raises(eager_model, monkeypatch):
 
 def test_hooks_removed_when_a_steering_op_raises(eager_models, monkeypatch):
     """A failure inside a hook closure (here the op itself) also leaves nothing behind."""
-    import bridge._hooks as hooks_module
+    import bridge.eager as eager_module
 
     model = eager_models["qwen3"]
     ids = model.to_tokens(PROMPT)
@@ -313,9 +342,9 @@ def test_hooks_removed_when_a_steering_op_raises(eager_models, monkeypatch):
     def broken(*args, **kwargs):
         raise RuntimeError("injected failure in a steering op")
 
-    monkeypatch.setattr(hooks_module, "apply_op", broken)
+    monkeypatch.setattr(eager_module, "apply_write", broken)
     import bridge.eager as eager_module
-    monkeypatch.setattr(eager_module, "apply_op", broken)
+    monkeypatch.setattr(eager_module, "apply_write", broken)
     with steer(model, SteerSpec.add("resid_post.2", torch.randn(model.d_model))):
         with pytest.raises(RuntimeError, match="injected failure in a steering op"):
             run_with_cache(model, ids, ["resid_post.1", "z.0"])
@@ -403,8 +432,18 @@ def test_expert_assignment_matches_the_selection(eager_models, arch):
     with pytest.raises(ValueError, match="n_experts"):
         expert_assignment(cache, g.moe_layers[0], 0)
     assert int(cache.get("expert_indices", g.moe_layers[-1]).max()) >= 1
-    with pytest.raises(ValueError, match=r">= n_experts=1"):
+    with pytest.raises(ValueError, match=rf"n_experts=1, but this {arch} model's router has {g.n_experts} experts"):
         expert_assignment(cache, g.moe_layers[-1], 1)
+    with pytest.raises(ValueError, match=rf"n_experts=16, but .* has {g.n_experts}"):
+        expert_assignment(cache, g.moe_layers[-1], 2 * g.n_experts)
+    # without the graph (a cache built by hand), the router's own width still decides
+    bare = Cache({a: cache[a] for a in cache if a.layer == g.moe_layers[-1]})
+    with pytest.raises(ValueError, match=rf"router_logits.*has {g.n_experts} experts"):
+        expert_assignment(bare, g.moe_layers[-1], 2 * g.n_experts)
+    logits_only = Cache({Address("router_logits", g.moe_layers[-1]): cache.get("router_logits", g.moe_layers[-1])})
+    for bad_k in (0, g.n_experts + 1, 1.5):
+        with pytest.raises(ValueError, match=rf"top_k must be an int in \[1, {g.n_experts}\]"):
+            expert_assignment(logits_only, g.moe_layers[-1], g.n_experts, top_k=bad_k)
     with pytest.raises(KeyError, match="expert_indices"):
         expert_assignment(Cache({}), 0, g.n_experts)
 

@@ -9,27 +9,13 @@ import asyncio
 import pytest
 import torch
 
-from interp_engine import (SteerSpec, capture_generation, decode_residuals, generate_stream,
+from interp_engine import (ShapeError, SteerSpec, capture_generation, decode_residuals, generate_stream,
                            run_with_cache, steer, top_logprobs)
 from tests._reference import PROMPT, all_addresses, count_forwards, hook_count
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _typechecked() -> bool:
-    """Whether pytest's jaxtyping import hook instruments interp_engine (pyproject addopts)."""
-    import interp_engine._sampling as sampling
-
-    try:
-        sampling.top_logprobs(torch.zeros(3), 1.5)
-    except TypeError:
-        return True
-    except ValueError:
-        return False
-    raise AssertionError("top_logprobs accepted k=1.5")
-
-
-_TYPECHECKED = _typechecked()
 # Long enough that prompt + generation passes the sliding windows of the tiny Gemma 2 (32)
 # and DeepSeek-V4 (16), so cached decoding through those layers is exercised too.
 LONG_PROMPT = "The model reads a sequence of tokens and predicts the next one. Paris is the capital of"
@@ -124,11 +110,10 @@ def test_top_logprobs():
     for bad in (-1, 51):
         with pytest.raises(ValueError, match=r"k must be an int in \[0, 50\]"):
             top_logprobs(logits, bad)
-    # Wrong types and shapes: the library's own error, or (under this suite's jaxtyping
-    # import hook, see pyproject addopts) the type checker's, naming the parameter.
-    with pytest.raises(TypeError if _TYPECHECKED else ValueError, match="k"):
+    # Wrong types and shapes: the library's own errors, naming the parameter and the shape.
+    with pytest.raises(ValueError, match="k must be an int"):
         top_logprobs(logits, 1.5)
-    with pytest.raises(TypeError if _TYPECHECKED else ValueError, match=r"\[d_vocab\]|logits"):
+    with pytest.raises(ShapeError, match=r"logits is a tensor of shape \[5, 10\].*\[d_vocab\]"):
         top_logprobs(logits.reshape(5, 10), 2)
 
 
@@ -431,7 +416,7 @@ def test_generation_failure_removes_hooks(eager_models, monkeypatch):
 BAD_SAMPLING = [
     (dict(max_tokens=0), ValueError, "max_tokens"),
     (dict(max_tokens=-3), ValueError, "max_tokens"),
-    (dict(max_tokens=2.5), TypeError if _TYPECHECKED else ValueError, "max_tokens"),
+    (dict(max_tokens=2.5), ValueError, "max_tokens"),
     (dict(temperature=-0.1), ValueError, "temperature"),
     (dict(temperature=float("nan")), ValueError, "temperature"),
     (dict(temperature=float("inf")), ValueError, "temperature"),
@@ -482,10 +467,10 @@ BAD_PROMPTS = [
     ([5, -1], ValueError, r"outside the vocabulary.*-1"),
     (torch.tensor([[3, 4, 9999]]), ValueError, "9999"),
     ([[1, 2], [3, 4]], ValueError, "one prompt"),
-    ("Hello", TypeError, "to_tokens" if not _TYPECHECKED else "parameter 'tokens'"),
-    (torch.tensor([[1.0, 2.0]]), TypeError, "integer"),
-    # beartype samples one element of a list, so under the jaxtyping hook either check may fire
-    ([1, "a"], TypeError, "mixed" if not _TYPECHECKED else "mixed|'tokens': \\[1, 'a'\\]"),
+    ("Hello", TypeError, "to_tokens"),
+    (torch.tensor([[1.0, 2.0]]), TypeError, r"(tokens|token_ids) is a tensor of shape \[1, 2\] and dtype torch.float32, expected int"),
+    (torch.zeros((1, 2, 3), dtype=torch.long), ValueError, r"(tokens|token_ids) is a tensor of shape \[1, 2, 3\]"),
+    ([1, "a"], TypeError, "mixed"),
 ]
 
 
@@ -563,10 +548,68 @@ def test_generate_from_embeds_refusals_before_any_forward(eager_models):
     model = eager_models["qwen3"]
     embeds = model.embed(model.to_tokens(PROMPT))
     with count_forwards(model.hf) as calls:
-        with pytest.raises(ValueError, match="width 64"):
+        with pytest.raises(ShapeError, match=r"embeds is a tensor of shape \[\d+, 64\].*d_model=128 on this qwen3"):
             asyncio.run(model.generate_from_embeds(embeds[:, :64], dict(max_tokens=2)))
         with pytest.raises(TypeError, match="float64"):
             asyncio.run(model.generate_from_embeds(embeds.double(), dict(max_tokens=2)))
         with pytest.raises(ValueError, match="max_tokens"):
             asyncio.run(model.generate_from_embeds(embeds, dict(max_tokens=0)))
     assert calls == []
+
+
+# ---- stop tokens, min_tokens, the end of the context --------------------------------------
+
+def test_stop_token_ids_and_min_tokens(eager_models):
+    model = eager_models["qwen3"]
+    ids = model.to_tokens(PROMPT)
+    free = [s.token_id for s in generate_stream(model, ids, max_tokens=12, temperature=0.0, stop_at_eos=False)]
+    stop = free[4]
+    first = free.index(stop)
+    embeds = model.embed(ids)
+    base = dict(max_tokens=12, temperature=0.0, stop_at_eos=False)
+    out = asyncio.run(model.generate_from_embeds(embeds, dict(base, stop_token_ids=(stop,))))
+    assert list(out.token_ids) == free[: first + 1] and out.finish_reason == "stop"
+    # min_tokens: a stop token cannot be drawn before min_tokens tokens (greedy takes the next best)
+    out = asyncio.run(model.generate_from_embeds(embeds, dict(base, stop_token_ids=(free[0],), min_tokens=1)))
+    assert out.token_ids[0] != free[0]
+    assert out.token_ids[0] == int(torch.topk(model.hf(ids).logits[0, -1], 2).indices[1])
+
+
+def test_samplingparams_fields_are_honoured_or_refused_on_eager(eager_models):
+    vllm = pytest.importorskip("vllm")
+    model = eager_models["qwen3"]
+    ids = model.to_tokens(PROMPT)
+    free = [s.token_id for s in generate_stream(model, ids, max_tokens=12, temperature=0.0, stop_at_eos=False)]
+    embeds = model.embed(ids)
+    out = asyncio.run(model.generate_from_embeds(embeds, vllm.SamplingParams(
+        max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[free[3]])))
+    assert list(out.token_ids) == free[: free.index(free[3]) + 1] and out.finish_reason == "stop"
+    with count_forwards(model.hf) as calls:
+        with pytest.raises(ValueError, match=r"SamplingParams\.n=3 is not honoured"):
+            asyncio.run(model.generate_from_embeds(embeds, vllm.SamplingParams(n=3)))
+        with pytest.raises(ValueError, match=r"SamplingParams\.repetition_penalty=1.3"):
+            asyncio.run(model.generate_from_embeds(embeds, vllm.SamplingParams(repetition_penalty=1.3)))
+        with pytest.raises(TypeError, match="must be a vllm.SamplingParams"):
+            asyncio.run(model.generate_from_embeds(embeds, "max_tokens=3"))
+    assert calls == []
+
+
+def test_generation_stops_at_the_end_of_the_context(model_pool, tiny_dirs):
+    from interp_engine import load_model
+
+    model = load_model(tiny_dirs["qwen3"], max_model_len=24)
+    assert model.max_model_len == 24
+    ids = list(range(5, 25))  # 20 tokens: room for 4
+    steps = list(generate_stream(model, ids, max_tokens=50, temperature=0.0, stop_at_eos=False))
+    assert len(steps) == 4
+    completion, cache = capture_generation(model, ids, ["resid_post.0"], max_tokens=50, temperature=0.0,
+                                           stop_at_eos=False)
+    assert completion.finish_reason == "length" and cache["resid_post.0"].shape[1] == 23
+    with pytest.raises(ValueError, match=r"prompt has 24 tokens and this model's context holds 24"):
+        list(generate_stream(model, list(range(5, 29)), max_tokens=1))
+    with pytest.raises(ValueError, match=r"input has 25 positions, more than this model's context"):
+        run_with_cache(model, list(range(5, 30)), ["resid_post.0"])
+    with pytest.raises(ValueError, match=r"max_model_len=600 is above this model's context"):
+        load_model(tiny_dirs["qwen3"], max_model_len=600)
+    # the model's own context when not given: the tiny models' max_position_embeddings
+    assert model_pool.get("qwen3").max_model_len == 512

@@ -140,7 +140,8 @@ def test_prompt_embeds_give_the_same_tokens_as_ids(pair):
 def test_prompt_embeds_bad_input(pair):
     _, vllm = pair
     good = vllm.embed(vllm.to_tokens("Hi there"))
-    for bad, word in ((good[:, :-1], "width"), (good.double(), "dtype"), (good[None], "rank"),
+    for bad, word in ((good[:, :-1], r"embeds is a tensor of shape \[\d+, 127\].*d_model=128"),
+                      (good.double(), "dtype"), (good[None], r"shape \[1, \d+, 128\].*\[pos, d_model\]"),
                       (good[:0], "empty")):
         with pytest.raises((ValueError, TypeError), match=word):
             asyncio.run(vllm.generate_from_embeds(bad))
@@ -353,3 +354,67 @@ def test_dropping_a_vllm_model_leaves_other_engines_working(model_pool):
     del doomed
     gc.collect()  # vLLM's own finalizer would tear down the process-wide parallel state here
     assert [s.token_id for s in generate_stream(survivor, tokens, max_tokens=4, temperature=0.0)] == before
+
+
+# ---- the core's promises hold inside vLLM too ----------------------------------------------
+
+def test_editing_a_vector_after_building_the_spec_changes_neither_backend(model_pool):
+    eager = model_pool.get("qwen3")
+    vllm = model_pool.get("qwen3", "vllm", enable_prompt_embeds=True)
+    tokens = eager.to_tokens(PROMPTS[0])
+    v = torch.randn(eager.d_model, generator=torch.Generator().manual_seed(8)) * 3
+    spec = SteerSpec.set("resid_post.1", v, positions=[2]) | SteerSpec.add("mlp_out.0", v, scale=2.0)
+    results = []
+    for model in (eager, vllm, eager, vllm):
+        with steer(model, spec):
+            results.append(run_with_cache(model, tokens, ["resid_post.2"])["resid_post.2"])
+        v.mul_(-1.0)  # in place, between every run: the spec keeps the vector it was built with
+    for got in results[1:]:
+        assert_close_scaled(got, results[0], msg="same spec, edited source vector")
+
+
+def test_stop_tokens_and_min_tokens_equal_plain_vllm(model_pool):
+    from vllm import SamplingParams
+
+    eager = model_pool.get("qwen3")
+    vllm = model_pool.get("qwen3", "vllm", enable_prompt_embeds=True)
+    tokens = eager.to_tokens(PROMPTS[0])
+    free = [s.token_id for s in generate_stream(eager, tokens, max_tokens=12, temperature=0.0, stop_at_eos=False)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, stop_token_ids=[free[5]],
+                            min_tokens=2)
+    embeds = vllm.embed(tokens)
+    ours = asyncio.run(vllm.generate_from_embeds(embeds, params))
+    theirs = asyncio.run(eager.generate_from_embeds(eager.embed(tokens), params))
+    plain = vllm.backend._engine().generate([{"prompt_token_ids": tokens[0].tolist()}], params, use_tqdm=False)
+    assert list(ours.token_ids) == list(plain[0].outputs[0].token_ids) == list(theirs.token_ids)
+    assert ours.finish_reason == plain[0].outputs[0].finish_reason == theirs.finish_reason == "stop"
+    with pytest.raises(ValueError, match=r"SamplingParams\.n=3 is not honoured"):
+        asyncio.run(vllm.generate_from_embeds(embeds, SamplingParams(n=3)))
+
+
+def test_both_backends_stop_at_the_end_of_the_context(model_pool):
+    eager = load_model(tiny_model("llama"), max_model_len=24)
+    vllm = load_model(tiny_model("llama"), backend="vllm", max_model_len=24)
+    try:
+        assert eager.max_model_len == vllm.max_model_len == 24
+        ids = list(range(5, 23))  # 18 tokens
+        ce, cv = (capture_generation(m, ids, ["resid_post.0"], max_tokens=50, temperature=0.0, stop_at_eos=False)
+                  for m in (eager, vllm))
+        assert ce[0].token_ids == cv[0].token_ids and len(cv[0].token_ids) == 6
+        assert ce[0].finish_reason == cv[0].finish_reason == "length"
+        assert_close_scaled(cv[1]["resid_post.0"], ce[1]["resid_post.0"], msg="rows to the context end")
+        with pytest.raises(ValueError, match="context holds 24"):
+            list(generate_stream(vllm, list(range(5, 29)), max_tokens=1))
+    finally:
+        vllm.close()
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(max_model_len="abc"), r"max_model_len must be a positive int, got .abc."),
+    (dict(max_num_batched_tokens="many"), r"max_num_batched_tokens='many' has the wrong type"),
+    (dict(max_num_seq=4), r"unknown vLLM engine argument 'max_num_seq'; did you mean 'max_num_seqs'"),
+    (dict(tensor_parallel_size=1.5), r"tensor_parallel_size=1.5 has the wrong type"),
+])
+def test_bad_engine_arguments_are_named_before_any_engine_starts(kwargs, match):
+    with pytest.raises(TypeError, match=match):
+        load_model(tiny_model("qwen3"), backend="vllm", **kwargs)

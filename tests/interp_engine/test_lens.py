@@ -118,9 +118,9 @@ def test_lens_errors(eager_models):
     cache = run_with_cache(model, model.to_tokens(PROMPT), ["mlp_out.0"])
     with pytest.raises(ValueError, match="no resid_post"):
         model.decode_residuals(cache)
-    with pytest.raises(ValueError, match=r"width 64.*d_model=128"):
+    with pytest.raises(ValueError, match=r"shape \[3, 64\].*d_model=128 on this"):
         model.decode_residuals(torch.randn(3, 64))
-    with pytest.raises(TypeError, match="Cache or a tensor|parameter .cache."):  # or the type checker
+    with pytest.raises(TypeError, match="Cache or a tensor"):
         model.decode_residuals([1.0, 2.0])
     with pytest.raises(KeyError, match=r"resid_post\.1"):
         model.decode_residuals(cache, points=["resid_post.1"])

@@ -44,7 +44,8 @@ def test_effective_vectors():
     torch.testing.assert_close(SteerSpec.add("resid_post.0", v, 2.5).ops[0].effective(), v * 2.5)
     unit = SteerSpec.ablate("resid_post.0", v).ops[0].effective()
     torch.testing.assert_close(unit, v / 5.0)
-    assert SteerSpec.set("resid_post.0", v).ops[0].effective() is v
+    set_op = SteerSpec.set("resid_post.0", v).ops[0]
+    assert set_op.effective() is not v and torch.equal(set_op.effective(), v)
 
 
 @pytest.mark.parametrize("positions, expected", [
@@ -181,3 +182,72 @@ def test_spec_and_plan_are_frozen():
         spec.ops[0].scale = 2.0  # type: ignore[misc]
     with pytest.raises(AttributeError):
         Plan().reads = ()  # type: ignore[misc]
+
+
+# ---- frozen, compared by content -------------------------------------------------------
+
+def test_a_spec_holds_its_own_copy_of_the_vector():
+    v = torch.randn(D)
+    keep = v.clone()
+    for spec in (SteerSpec.add("resid_post.0", v, 2.0), SteerSpec.set("resid_post.0", v),
+                 SteerSpec.ablate("resid_post.0", v)):
+        op = spec.ops[0]
+        effective_before = op.effective().clone()
+        v.mul_(-3.0).add_(1.0)  # the caller edits the tensor after building the spec
+        assert torch.equal(op.vector, keep)
+        assert torch.equal(op.effective(), effective_before)
+        v.copy_(keep)
+        op.vector.zero_()  # editing what .vector returns changes nothing either
+        assert torch.equal(op.vector, keep)
+
+
+def test_ops_and_specs_are_immutable():
+    op = SteerSpec.add("resid_post.0", torch.randn(D)).ops[0]
+    for name, value in (("scale", 5.0), ("op", "set"), ("vector", torch.zeros(D)), ("positions", "all")):
+        with pytest.raises(AttributeError, match="immutable"):
+            setattr(op, name, value)
+    spec = SteerSpec((op,))
+    with pytest.raises(AttributeError):
+        spec.ops = ()  # type: ignore[misc]
+
+
+def test_specs_and_plans_compare_and_hash_by_content():
+    v = torch.randn(D)
+    a = SteerSpec.add("resid_post.0", v, 2.0, positions=[1, 2])
+    b = SteerSpec.add("resid_post.0", v.clone(), 2.0, positions=(1, 2))
+    assert a == b and hash(a) == hash(b) and a.ops[0] == b.ops[0]
+    assert a != SteerSpec.add("resid_post.0", v, 2.5, positions=[1, 2])
+    assert a != SteerSpec.add("resid_post.0", v + 1e-6, 2.0, positions=[1, 2])
+    assert a != SteerSpec.add("resid_post.1", v, 2.0, positions=[1, 2])
+    assert a != SteerSpec.set("resid_post.0", v, positions=[1, 2])
+    assert SteerSpec.add("resid_post.0", v) != SteerSpec.add("resid_post.0", v.double())
+    assert len({a, b, a | b}) == 2
+    assert Plan(writes=a.ops) == Plan(writes=b.ops) and hash(Plan(writes=a.ops)) == hash(Plan(writes=b.ops))
+    assert Plan(reads=(Address("z", 0),)) == Plan(reads=(Address("z", 0),))
+    import pickle
+
+    assert pickle.loads(pickle.dumps(a)) == a
+
+
+def test_gradients_reach_the_callers_vector_through_the_copy():
+    v = torch.randn(D, requires_grad=True)
+    op = SteerSpec.ablate("resid_post.0", v).ops[0]
+    for _ in range(2):  # a fresh graph each time: backward twice works
+        (op.effective() * torch.arange(D, dtype=torch.float32)).sum().backward()
+    assert v.grad is not None and v.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("scale", [float("nan"), float("inf"), -float("inf")])
+def test_non_finite_scales_are_refused(scale):
+    with pytest.raises(ValueError, match=r"scale at resid_post.0 must be finite"):
+        SteerSpec.add("resid_post.0", torch.randn(D), scale=scale)
+
+
+def test_numpy_values_are_accepted_as_numbers():
+    np = pytest.importorskip("numpy")
+    op = SteerSpec.add("resid_post.0", torch.randn(D), scale=np.float32(2.0),
+                       positions=[np.int64(3), np.int32(5)]).ops[0]
+    assert op.positions == (3, 5) and all(type(p) is int for p in op.positions) and op.scale == 2.0
+    assert SteerSpec.add("resid_post.0", torch.randn(D), positions=np.array([1, 4])).ops[0].positions == (1, 4)
+    with pytest.raises(ValueError, match="non-negative ints"):
+        SteerSpec.add("resid_post.0", torch.randn(D), positions=[np.float64(1.0)])

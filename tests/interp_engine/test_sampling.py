@@ -1,0 +1,66 @@
+"""The one table of which vllm.SamplingParams fields this library honours, and the refusal of
+every other field set away from its default (nothing dropped silently)."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from interp_engine import SAMPLING_FIELDS, SamplingConfig
+from interp_engine._sampling import sampling_from_params
+
+needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
+
+
+@needs_vllm
+def test_honoured_fields_map_onto_the_config():
+    from vllm import SamplingParams
+
+    got = sampling_from_params(SamplingParams(max_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=4,
+                                              logprobs=2, ignore_eos=True, stop_token_ids=[5, 9],
+                                              min_tokens=2))
+    assert got == dict(max_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=4, n_logprobs=2,
+                       stop_at_eos=False, stop_token_ids=(5, 9), min_tokens=2)
+    assert sampling_from_params(SamplingParams(top_k=-1))["top_k"] == 0
+    SamplingConfig(**got)
+
+
+@needs_vllm
+@pytest.mark.parametrize("field, value", [
+    ("n", 3), ("presence_penalty", 0.5), ("frequency_penalty", 0.5), ("repetition_penalty", 1.2),
+    ("min_p", 0.1), ("stop", ["the"]), ("logit_bias", {5: 1.0}), ("allowed_token_ids", [1, 2]),
+    ("bad_words", ["cat"]), ("prompt_logprobs", 1), ("include_stop_str_in_output", True),
+    ("skip_special_tokens", False), ("extra_args", {"x": 1}),
+])
+def test_every_field_not_honoured_is_refused_by_name(field, value):
+    from vllm import SamplingParams
+
+    with pytest.raises(ValueError, match=rf"SamplingParams\.{field}=.*not honoured"):
+        sampling_from_params(SamplingParams(**{field: value}))
+
+
+@needs_vllm
+def test_the_table_covers_every_samplingparams_field():
+    from vllm import SamplingParams
+
+    known = set(SAMPLING_FIELDS["honoured"]) | set(SAMPLING_FIELDS["free"])
+    assert known <= set(SamplingParams.__struct_fields__)  # no stale names in the table
+
+
+def test_other_arguments_are_refused_clearly():
+    with pytest.raises(TypeError, match="must be a vllm.SamplingParams"):
+        sampling_from_params(object())
+    with pytest.raises(ValueError, match=r"unknown sampling fields \['temprature'\]"):
+        sampling_from_params({"temprature": 0.0})
+    assert sampling_from_params(None) == {}
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(seed=2**64), r"below 2\*\*64"), (dict(stop_token_ids=(-1,)), "stop_token_ids"),
+    (dict(stop_token_ids=(600,), d_vocab=512), "outside the vocabulary"),
+    (dict(min_tokens=5, max_tokens=4), r"min_tokens must be an int in \[0, max_tokens=4\]"),
+])
+def test_bad_configs_are_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SamplingConfig(**kwargs)
