@@ -214,9 +214,10 @@ def _steps(model: Model, prompt: list[int] | None, config: SamplingConfig, plan:
            capture: Any = None, embeds: torch.Tensor | None = None) -> Iterator[tuple[GenStep, str | None]]:
     _refuse(model, plan)
     deltas = _TextDeltas(model)
-    for raw in model.backend.generate(prompt, config, plan, capture, embeds=embeds):
-        text = deltas.push(raw.token_id, raw.finish_reason is not None)
-        yield GenStep(raw.token_id, text, raw.logprobs, raw.logits, raw.logprob), raw.finish_reason
+    with contextlib.closing(model.backend.generate(prompt, config, plan, capture, embeds=embeds)) as raws:
+        for raw in raws:
+            text = deltas.push(raw.token_id, raw.finish_reason is not None)
+            yield GenStep(raw.token_id, text, raw.logprobs, raw.logits, raw.logprob), raw.finish_reason
 
 
 @entry
@@ -231,7 +232,14 @@ def generate_stream(model: Model, tokens: Tokens, max_tokens: int = 16, temperat
                        top_p=top_p, stop_at_eos=stop_at_eos, seed=seed, n_logprobs=n_logprobs)
     plan = _plan(model, None)
     _refuse(model, plan)
-    return (step for step, _ in _steps(model, prompt, config, plan))
+    return _first(_steps(model, prompt, config, plan))
+
+
+def _first(items):
+    """The GenSteps of (step, finish) pairs; closing it closes the request at once."""
+    with contextlib.closing(items):
+        for step, _ in items:
+            yield step
 
 
 def _completion(steps: list[GenStep], finish: str, n_logprobs: int | None) -> Completion:
@@ -270,9 +278,12 @@ async def _agen_steps(model: Model, prompt: list[int] | None, config: SamplingCo
                       ) -> AsyncIterator[tuple[GenStep, str | None]]:
     _refuse(model, plan)
     deltas = _TextDeltas(model)
-    async for raw in model.backend.agenerate(prompt, config, plan, capture, embeds=embeds):
-        text = deltas.push(raw.token_id, raw.finish_reason is not None)
-        yield GenStep(raw.token_id, text, raw.logprobs, raw.logits, raw.logprob), raw.finish_reason
+    # aclosing: a consumer that stops early (aclose, an exception, a cancel) closes the
+    # backend's generator at once, so the request is aborted now, not when it is collected
+    async with contextlib.aclosing(model.backend.agenerate(prompt, config, plan, capture, embeds=embeds)) as raws:
+        async for raw in raws:
+            text = deltas.push(raw.token_id, raw.finish_reason is not None)
+            yield GenStep(raw.token_id, text, raw.logprobs, raw.logits, raw.logprob), raw.finish_reason
 
 
 def _request(model: Model, token_ids: Tokens, steer_spec: SteerSpec | None, **sampling):
@@ -294,7 +305,8 @@ def _generate_text(self: Model, token_ids: Tokens, max_tokens: int = 16,
                                     stop_at_eos=stop_at_eos, seed=seed)
 
     async def run() -> str:
-        return "".join([step.token_str async for step, _ in _agen_steps(self, prompt, config, plan)])
+        async with contextlib.aclosing(_agen_steps(self, prompt, config, plan)) as steps:
+            return "".join([step.token_str async for step, _ in steps])
     return run()
 
 
@@ -309,17 +321,19 @@ def _generate_stream(self: Model, token_ids: Tokens, max_tokens: int = 16,
                                     stop_at_eos=stop_at_eos, seed=seed)
 
     async def run() -> AsyncIterator[str]:
-        async for step, _ in _agen_steps(self, prompt, config, plan):
-            if step.token_str:
-                yield step.token_str
+        async with contextlib.aclosing(_agen_steps(self, prompt, config, plan)) as steps:
+            async for step, _ in steps:
+                if step.token_str:
+                    yield step.token_str
     return run()
 
 
 async def _collect(model: Model, prompt, config, plan, embeds=None, capture=None):
     steps, finish = [], "length"
-    async for step, reason in _agen_steps(model, prompt, config, plan, embeds=embeds, capture=capture):
-        steps.append(step)
-        finish = reason or finish
+    async with contextlib.aclosing(_agen_steps(model, prompt, config, plan, embeds=embeds, capture=capture)) as items:
+        async for step, reason in items:
+            steps.append(step)
+            finish = reason or finish
     return steps, finish
 
 

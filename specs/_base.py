@@ -50,6 +50,7 @@ class VllmTap:
     source: str
     path: str | None = None
     post: str | None = None
+    sharded: bool = False  # under tensor parallelism each rank holds its heads' slice (concatenated)
 
     def module_path(self, layer: int) -> str | None:
         return None if self.path is None else self.path.format(L=layer)
@@ -147,7 +148,7 @@ COMMON_VLLM = MappingProxyType({
     "resid_post": VllmTap("layer_sum", LAYER),
     "attn_out": VllmTap("module_out", LAYER + ".self_attn"),
     "mlp_out": VllmTap("layer_h", LAYER),
-    "z": VllmTap("module_in", LAYER + ".self_attn.o_proj", "heads"),
+    "z": VllmTap("module_in", LAYER + ".self_attn.o_proj", "heads", sharded=True),
 })
 # resid_mid is written where attention's output meets the residual: norm(attn_out, resid_pre).
 COMMON_VLLM_WRITES = MappingProxyType({

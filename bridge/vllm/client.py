@@ -1,0 +1,525 @@
+"""The client side of the vLLM bridge: a thin driver on vLLM's public API.
+
+A request's plan travels as plain data in ``SamplingParams.extra_args``; the runtime inside each
+worker (``runtime.py``, loaded through ``worker_extension_cls``) applies it; captures come back
+through ``collective_rpc`` when the request ends. So the same code serves an in-process engine,
+a multiprocess one (vLLM's default), tensor parallelism and Ray workers: nothing here assumes
+the worker shares this process or this machine.
+
+One driver thread per engine pulls outputs (``LLMEngine.step``) while any request is in flight
+and hands each to its request's queue; synchronous and asynchronous callers on any event loop
+share it, and concurrent requests share engine steps (one batch). Prefix caching is off, so
+every position of every request runs through the runtime and a steered request never reuses
+unsteered KV; speculative decoding is refused (it would capture rejected draft rows).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import os
+import queue
+import threading
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable, Iterator
+
+import torch
+
+from interp_engine._address import Address, to_address
+from interp_engine._backend import RawStep
+from interp_engine._capabilities import CapabilityUnsupported
+from interp_engine._graph import GradSupport, ModelGraph
+from interp_engine._ops import reshape_point
+from interp_engine._plan import Plan
+from interp_engine._points import POINTS
+from interp_engine._sampling import SamplingConfig
+from interp_engine._tokens import TokenBatch
+from specs import ArchSpec
+
+from ..outputs import full_output
+from .wire import plan_to_wire, tensor_from_wire, tensor_to_wire
+
+__all__ = ["VllmBackend", "check_engine_kwargs"]
+
+EXTENSION = "bridge.vllm.worker.InterpWorkerExtension"
+VALIDATOR = "bridge.vllm.validator:PlanValidator"
+_ids = itertools.count()
+
+
+def check_engine_kwargs(kwargs: dict) -> None:
+    """Refuse, before any engine starts, an engine argument vLLM does not have or a value of
+    the wrong type, naming the argument (vLLM itself fails late and elsewhere)."""
+    import dataclasses
+    import difflib
+
+    from beartype.door import is_bearable
+    from vllm.engine.arg_utils import EngineArgs
+
+    fields = {f.name: f for f in dataclasses.fields(EngineArgs)}
+    for key, value in kwargs.items():
+        field_ = fields.get(key)
+        if field_ is None:
+            close = difflib.get_close_matches(key, fields, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise TypeError(f"unknown vLLM engine argument {key!r}{hint} (engine arguments are the fields "
+                            "of vllm.EngineArgs)")
+        try:
+            ok = is_bearable(value, field_.type)
+        except Exception:  # a hint beartype cannot check: leave it to vLLM
+            ok = True
+        if not ok:
+            raise TypeError(f"vLLM engine argument {key}={value!r} has the wrong type: expected {field_.type}")
+
+
+def _cpu_binding(world: int) -> str | None:
+    """``VLLM_CPU_OMP_THREADS_BIND`` for ``world`` CPU ranks: the usable cores split evenly."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    if len(cores) < world:
+        return None
+    per = len(cores) // world
+    groups = [cores[i * per:(i + 1) * per] for i in range(world)]
+    return "|".join(f"{g[0]}-{g[-1]}" if len(g) > 1 else str(g[0]) for g in groups)
+
+
+# ---- requests -------------------------------------------------------------------------
+
+@dataclass
+class _Capture:
+    """Where a request's captures land once it ends: address -> [rows, ...] tensors."""
+
+    rid: str = ""
+    values: dict[Address, torch.Tensor] | None = None
+
+
+@dataclass(eq=False)
+class _Request:
+    external_id: str
+    rid: str
+    plan: Plan
+    prompt_len: int
+    capture: _Capture | None
+    sink: Callable[[Any], None]
+    finished: bool = False
+    generated: int = 0
+    released: bool = False
+
+
+class VllmBackend:
+    name = "vllm"
+    hooks_available = True
+    graph_replay = False
+    static_points: tuple[Address, ...] = ()
+    static_writes: tuple[Address, ...] = ()
+
+    def __init__(self, path, spec: ArchSpec, graph: ModelGraph, *, dtype: torch.dtype, max_model_len: int,
+                 enable_prompt_embeds: bool = False, **engine_kwargs: Any) -> None:
+        check_engine_kwargs(engine_kwargs)
+        if engine_kwargs.get("enforce_eager", True) is not True:
+            raise CapabilityUnsupported(
+                "static_graph", "vllm", detail="enforce_eager=False",
+                why="hooks added to a compiled or graph-captured vLLM model never fire",
+                instead="use backend='vllm-static' (taps compiled into the graph) or leave enforce_eager on")
+        for key in ("enable_prefix_caching", "speculative_config"):
+            if engine_kwargs.get(key):
+                raise ValueError(f"{key} is not allowed with backend='vllm': prefix caching skips hooked "
+                                 "positions (and reuses unsteered KV); speculative decoding captures "
+                                 "rejected draft rows")
+        for key in ("worker_extension_cls", "logits_processors"):
+            if key in engine_kwargs:
+                raise ValueError(f"{key} is set by interp_engine (its worker runtime and plan admission); "
+                                 "start your own vllm.LLM to use another")
+        self.path, self.spec, self.graph, self.dtype = path, spec, graph, dtype
+        self.prompt_embeds = bool(enable_prompt_embeds)
+        self.max_model_len = max_model_len
+        self.tensor_parallel_size = int(engine_kwargs.get("tensor_parallel_size", 1) or 1)
+        self._kwargs = dict(
+            model=str(path), dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
+            seed=0, max_logprobs=graph.d_vocab, enable_prompt_embeds=self.prompt_embeds,
+            max_model_len=max_model_len, worker_extension_cls=EXTENSION, logits_processors=[VALIDATOR],
+            **engine_kwargs,
+        )
+        self._llm = None
+        self._lock = threading.RLock()  # one caller inside the engine at a time
+        self._wake = threading.Condition()
+        self._requests: dict[str, _Request] = {}
+        self._driver: threading.Thread | None = None
+        self._stop = False
+        self._fingerprint: str | None = None
+        self._in_process: bool | None = None
+
+    # ---- engine -----------------------------------------------------------------------
+    def warmup(self) -> None:
+        self._engine()
+
+    @property
+    def in_process(self) -> bool:
+        """Whether the engine runs its model in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0
+        when it started); fixed at start, whatever the environment says later."""
+        if self._in_process is None:
+            return os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING", "1") == "0"
+        return self._in_process
+
+    def _engine(self):
+        if self._llm is not None:
+            return self._llm
+        with self._lock:
+            if self._llm is not None:
+                return self._llm
+            if not torch.cuda.is_available():
+                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+                if self.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+                    binding = _cpu_binding(self.tensor_parallel_size)
+                    if binding:
+                        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
+            from vllm import LLM, envs
+
+            from .validator import register_graph
+
+            # vLLM caches its environment variables once an engine has started; this engine's
+            # settings (in-process or not, the CPU binding) must be read afresh
+            envs.disable_envs_cache()
+
+            self._fingerprint = register_graph(self.graph)
+            self._in_process = self.in_process
+            if self.in_process and self.graph.n_experts:
+                _ensure_expert_group()
+            # LLM(seed=...) reseeds the process-wide torch / random / numpy generators; a lazily
+            # started engine must not change the caller's random streams.
+            import random
+
+            import numpy as np
+
+            states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+            try:
+                llm = LLM(**self._kwargs)
+            finally:
+                torch.set_rng_state(states[0])
+                random.setstate(states[1])
+                np.random.set_state(states[2])
+            self._close_engine = _closer(llm)
+            infos = llm.collective_rpc("interp_install")
+            self.world = len(infos)
+            self._llm = llm
+        return self._llm
+
+    def close(self) -> None:
+        """Release this engine (its processes, its KV cache); other engines keep working."""
+        if self._llm is None:
+            return
+        import gc
+
+        with self._wake:
+            self._stop = True
+            self._wake.notify_all()
+        if self._driver is not None and self._driver is not threading.current_thread():
+            self._driver.join(timeout=30)
+        with self._lock:
+            self._fail_all(RuntimeError("the model was closed"))
+            self._close_engine()
+            self._llm = None
+        self._driver = None
+        self._stop = False
+        self._in_process = None
+        gc.collect()
+
+    def rpc(self, method: str, *args) -> list:
+        """``collective_rpc`` on every worker, between engine steps."""
+        llm = self._engine()
+        with self._lock:
+            return llm.collective_rpc(method, args=args)
+
+    def module(self, path: str):
+        raise AttributeError(
+            f"the vLLM backend's modules live inside vLLM's worker processes: reach them with "
+            f"model.backend.rpc(...) through a worker extension, or load the model with backend='eager' "
+            f"to get {path!r} as a torch module")
+
+    # ---- capabilities -------------------------------------------------------------------
+    @property
+    def grad_support(self) -> GradSupport:
+        return GradSupport(False, False, "vllm", "vLLM runs under inference mode with fused kernels "
+                                                  "that have no backward; use backend='eager'")
+
+    def refusal(self, plan: Plan, batch: TokenBatch | None, *, gradients: bool = False):
+        if gradients:
+            return CapabilityUnsupported("gradients", self.name)
+        if batch is not None and len(batch) != 1:
+            return CapabilityUnsupported("batched_prompts", self.name, detail=f"a batch of {len(batch)}")
+        for address in plan.reads:
+            if address.name not in self.spec.vllm:
+                point = POINTS[address.name]
+                return CapabilityUnsupported(point.capability or "vllm_architecture", self.name,
+                                             detail=f"point {address}")
+        return None
+
+    # ---- requests -----------------------------------------------------------------------
+    def _sampling_params(self, config: SamplingConfig, extra: dict | None):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            max_tokens=config.max_tokens, temperature=float(config.temperature), top_k=int(config.top_k),
+            top_p=float(config.top_p), seed=config.seed, logprobs=config.n_logprobs,
+            ignore_eos=not config.stop_at_eos, output_kind=RequestOutputKind.DELTA,
+            skip_special_tokens=True, detokenize=False, stop_token_ids=list(config.stop_token_ids),
+            min_tokens=config.min_tokens, extra_args=extra,
+        )
+
+    def _add(self, prompt: list[int] | None, config: SamplingConfig, plan: Plan, capture: _Capture | None,
+             sink: Callable[[Any], None], embeds: torch.Tensor | None = None) -> _Request:
+        llm = self._engine()
+        if embeds is not None:
+            if not self.prompt_embeds:
+                raise ValueError("prompt embeds are off: load_model(..., enable_prompt_embeds=True)")
+            engine_prompt: Any = {"prompt_embeds": embeds.detach().to("cpu", self.dtype)}
+            prompt_len = int(embeds.shape[0])
+        else:
+            engine_prompt = {"prompt_token_ids": list(prompt)}
+            prompt_len = len(prompt)
+        rid = uuid.uuid4().hex
+        extra = None if plan.empty else {"interp_engine": plan_to_wire(plan, rid, model=self._fingerprint)}
+        params = self._sampling_params(config, extra)
+        external = f"interp-{next(_ids)}-{rid[:8]}"
+        request = _Request(external, rid, plan, prompt_len, capture, sink)
+        if capture is not None:
+            capture.rid = rid
+        with self._lock:
+            llm.llm_engine.add_request(external, engine_prompt, params)
+            self._requests[external] = request
+        self._ensure_driver()
+        return request
+
+    def _ensure_driver(self) -> None:
+        if self.in_process:
+            return  # an in-process engine is stepped by its callers (see _pump)
+        with self._wake:
+            if self._driver is None or not self._driver.is_alive():
+                self._driver = threading.Thread(target=self._drive, name="interp-engine-vllm-driver", daemon=True)
+                self._driver.start()
+            self._wake.notify_all()
+
+    def _pump(self) -> bool:
+        """One engine step, each output handed to its request. False: nothing was in flight.
+
+        A multiprocess engine is pumped by the driver thread (the model runs in the worker
+        processes; this thread only moves outputs). An in-process engine runs the model in the
+        thread that steps it, and vLLM's CPU attention insists on the OpenMP setup of the thread
+        that built the engine, so there the callers pump it themselves, one at a time."""
+        with self._lock:
+            llm = self._llm
+            if llm is None or not llm.llm_engine.has_unfinished_requests():
+                return False
+            try:
+                outputs = llm.llm_engine.step()
+            except BaseException as exc:  # a failed step fails every waiting request, loudly
+                self._fail_all(exc)
+                return True
+            for out in outputs:
+                request = self._requests.get(out.request_id)
+                if request is None:
+                    continue
+                request.generated += len(out.outputs[0].token_ids)
+                if out.finished:
+                    request.finished = True
+                    self._requests.pop(out.request_id, None)
+                request.sink(out)
+        return True
+
+    def _drive(self) -> None:
+        """The driver thread of a multiprocess engine: pump while requests are in flight."""
+        while True:
+            with self._wake:
+                while not self._stop and not self._requests:
+                    self._wake.wait()
+                if self._stop:
+                    return
+            if not self._pump():
+                with self._wake:
+                    self._wake.wait(timeout=0.005)
+
+    def _fail_all(self, exc: BaseException) -> None:
+        waiting = list(self._requests.values())
+        self._requests.clear()
+        for request in waiting:
+            request.finished = True
+            request.sink(exc)
+
+    def _abort(self, request: _Request) -> None:
+        """Leave nothing of ``request`` in the engine or the workers (a cancel, an error)."""
+        with self._lock:
+            if not request.finished and self._llm is not None:
+                request.finished = True
+                self._requests.pop(request.external_id, None)
+                self._llm.llm_engine.abort_request([request.external_id])
+            if not request.released and not request.plan.empty and self._llm is not None:
+                request.released = True
+                self._llm.collective_rpc("interp_release", args=(request.rid,))
+
+    def _settle(self, request: _Request) -> None:
+        """A request that ended: fetch its captures (or just its status) and free it in the
+        workers; raise if the runtime failed while serving it."""
+        if request.plan.empty or request.released:
+            return
+        n = request.prompt_len + request.generated - 1 if request.capture is not None else 0
+        results = self.rpc("interp_collect", request.rid, n)
+        request.released = True
+        errors = [r.get("error") for r in results if r.get("found") and r.get("error")]
+        if errors:
+            raise RuntimeError(f"the interp_engine runtime failed for this request: {errors[0]}")
+        if request.capture is not None:
+            request.capture.values = self._merge(request.plan, results)
+
+    def _merge(self, plan: Plan, results: list[dict]) -> dict[Address, torch.Tensor]:
+        """Rank 0's rows, with the slices of sharded points from every rank concatenated."""
+        by_rank = sorted((r for r in results if r.get("found")), key=lambda r: r["rank"])
+        values = {}
+        for address in plan.reads:
+            key = str(address)
+            parts = [tensor_from_wire(r["values"][key]) for r in by_rank if key in r.get("values", {})]
+            if not parts:
+                raise RuntimeError(f"no worker returned {address}")
+            values[address] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+        return values
+
+    @staticmethod
+    def _raw_steps(out, k: int | None) -> Iterator[RawStep]:
+        completion = out.outputs[0]
+        ids = list(completion.token_ids)
+        for n, token in enumerate(ids):
+            logprobs = sampled = None
+            if k is not None and completion.logprobs is not None:
+                entry = completion.logprobs[n]  # the top-k, plus the sampled token if outside them
+                top = sorted((lp.rank, tid, lp.logprob) for tid, lp in entry.items()
+                             if lp.rank is not None and lp.rank <= k)
+                logprobs = [{"token_id": int(tid), "logprob": float(lp)} for _, tid, lp in top]
+                sampled = float(entry[token].logprob) if token in entry else None
+            last = out.finished and n == len(ids) - 1
+            yield RawStep(int(token), logprobs, None, completion.finish_reason if last else None, sampled)
+
+    def generate(self, prompt: list[int] | None, config: SamplingConfig, plan: Plan,
+                 capture: _Capture | None = None, embeds: torch.Tensor | None = None) -> Iterator[RawStep]:
+        """Synchronous generation: the driver thread steps the engine; this waits for its outputs."""
+        outputs: queue.SimpleQueue = queue.SimpleQueue()
+        request = self._add(prompt, config, plan, capture, outputs.put, embeds)
+        try:
+            while True:
+                if self.in_process:
+                    while outputs.empty():
+                        if not self._pump() and outputs.empty():
+                            raise RuntimeError("the vLLM engine holds no work for a request still waiting")
+                out = outputs.get()
+                if isinstance(out, BaseException):
+                    raise RuntimeError("the vLLM engine step failed") from out
+                if out.finished:
+                    self._settle(request)
+                yield from self._raw_steps(out, config.n_logprobs)
+                if out.finished:
+                    return
+        finally:
+            self._abort(request)
+
+    async def agenerate(self, prompt: list[int] | None, config: SamplingConfig, plan: Plan,
+                        capture: _Capture | None = None, embeds: torch.Tensor | None = None
+                        ) -> AsyncIterator[RawStep]:
+        """Asynchronous generation on any event loop: concurrent requests share engine steps."""
+        loop = asyncio.get_running_loop()
+        outputs: asyncio.Queue = asyncio.Queue()
+        request = self._add(prompt, config, plan, capture,
+                            lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out), embeds)
+        try:
+            while True:
+                if self.in_process:
+                    while outputs.empty():
+                        self._pump()  # this loop's thread steps the engine; others run between steps
+                        await asyncio.sleep(0)
+                out = await outputs.get()
+                if isinstance(out, BaseException):
+                    raise RuntimeError("the vLLM engine step failed") from out
+                if out.finished:
+                    await loop.run_in_executor(None, self._settle, request)
+                for raw in self._raw_steps(out, config.n_logprobs):
+                    yield raw
+                if out.finished:
+                    return
+        finally:
+            self._abort(request)
+
+    def new_capture(self) -> _Capture:
+        return _Capture()
+
+    def assemble(self, plan: Plan, capture: _Capture) -> dict[Address, torch.Tensor]:
+        if capture.values is None:
+            raise RuntimeError("the request ended without its captures (it was cancelled or failed)")
+        values = {}
+        for address in plan.reads:
+            t = capture.values[address]
+            values[address] = reshape_point(t, self.spec.vllm[address.name].post, self.graph,
+                                            (t.shape[0],)).unsqueeze(0)
+        return values
+
+    def request_output(self, prompt_ids: list[int], steps: list, finish: str, n_logprobs: int | None):
+        return full_output(prompt_ids, steps, finish, n_logprobs)
+
+    def run_with_cache(self, plan: Plan, batch: TokenBatch, detach: bool = True, want_logits: bool = False):
+        prompt = batch.row(0)
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"the input has {len(prompt)} positions and this model's context holds "
+                             f"{self.max_model_len} (max_model_len): vLLM runs a prompt only with room "
+                             f"for one token after it, so pass at most {self.max_model_len - 1} positions")
+        capture = _Capture()
+        config = SamplingConfig(max_tokens=1, temperature=0.0, stop_at_eos=False)
+        for _ in self.generate(prompt, config, plan, capture):
+            pass
+        return self.assemble(plan, capture), None
+
+    # ---- where the weights are (inside the workers) ---------------------------------------
+    def _rank0(self, results: list):
+        found = [r for r in results if r is not None]
+        return tensor_from_wire(found[0])
+
+    def decode(self, resid: torch.Tensor) -> torch.Tensor:
+        return self._rank0(self.rpc("interp_decode", tensor_to_wire(resid)))
+
+    def head_contributions(self, layer: int, z: torch.Tensor) -> torch.Tensor:
+        return self._rank0(self.rpc("interp_heads", layer, tensor_to_wire(z)))
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The model's own input embeddings (Gemma 2's sqrt(d_model) scale included)."""
+        return self._rank0(self.rpc("interp_embed", [int(i) for i in ids.reshape(-1).tolist()]))
+
+    def worker_stats(self) -> list[dict]:
+        """What the runtime in each worker holds (requests, hooked modules): for checks."""
+        return self.rpc("interp_stats")
+
+
+def _ensure_expert_group() -> None:
+    """An in-process engine shares vLLM's process-wide parallel groups, and the expert-parallel
+    group exists only if the first engine in the process was an MoE model: create it (same
+    ranks as the tensor-parallel group) for an MoE engine started after a dense one."""
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps._EP is not None:
+        return
+    tp = ps.get_tp_group()
+    ps._EP = ps.init_model_parallel_group([list(tp.ranks)], ps.get_world_group().local_rank,
+                                          tp.backend if hasattr(tp, "backend") else "gloo", group_name="ep")
+
+
+def _closer(llm) -> Callable[[], None]:
+    """How to close this engine alone. An in-process engine's own shutdown tears down the
+    process-wide parallel state every other in-process engine uses (also when the LLM is merely
+    garbage-collected): swap its finalizer for a shutdown of its executor and scheduler only."""
+    import weakref
+
+    client = llm.llm_engine.engine_core
+    core = getattr(client, "engine_core", None)  # the in-process client holds the core itself
+    original = getattr(client, "_finalizer", None)
+    if core is None or original is None or type(client).__name__ != "InprocClient":
+        return client.shutdown
+    original.detach()
+
+    def soft(core=core):
+        core.model_executor.shutdown()
+        core.scheduler.shutdown()
+    return weakref.finalize(llm, soft)

@@ -1,0 +1,77 @@
+"""Loading the runtime into vLLM's workers as soon as the model is loaded (before vLLM
+profiles, compiles or captures anything, so static taps are in the graph it builds).
+
+``register`` wraps the model runners' ``load_model``. It runs in a worker process when vLLM
+imports this package's ``worker_extension_cls`` there (before it builds the worker) — then the
+runtime goes into the engines that name that extension or carry interp_engine's
+``additional_config`` — and from the ``vllm.general_plugins`` entry point (``entry``), which
+vLLM runs in every process it starts: then it goes into every engine (``vllm serve``, a user's
+own ``LLM``), so requests carrying a plan in ``extra_args`` / ``vllm_xargs`` are steered and
+captured there too. The runtime costs one hook call per forward while no request carries a
+plan. ``INTERP_ENGINE_VLLM_PLUGIN=0`` keeps the entry point out.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+__all__ = ["register"]
+
+_EVERYWHERE = False  # set by the entry point: install in every engine
+
+
+def wanted(runner) -> bool:
+    """Does this engine want the runtime?"""
+    if _EVERYWHERE:
+        return True
+    config = getattr(runner, "vllm_config", None)
+    extension = getattr(getattr(config, "parallel_config", None), "worker_extension_cls", "") or ""
+    extra = getattr(config, "additional_config", None) or {}
+    return extension.endswith("InterpWorkerExtension") or (isinstance(extra, dict) and "interp_engine" in extra)
+
+
+def _wrap(cls) -> None:
+    """Install the runtime after ``cls.load_model`` (once, idempotently)."""
+    original = cls.__dict__.get("load_model")
+    if original is None or getattr(original, "_interp_engine", False):
+        return
+
+    @functools.wraps(original)
+    def load_model(self, *args, **kwargs):
+        result = original(self, *args, **kwargs)
+        if not wanted(self):
+            return result
+        from .worker import install_runtime
+
+        try:
+            install_runtime(self)
+        except Exception:  # an architecture without a spec: vLLM runs as if we were not here
+            import logging
+
+            logging.getLogger("interp_engine.vllm").warning(
+                "interp_engine runtime not installed for %s", type(getattr(self, "model", None)).__name__,
+                exc_info=True)
+        return result
+
+    load_model._interp_engine = True  # type: ignore[attr-defined]
+    cls.load_model = load_model
+
+
+def register() -> None:
+    """Wrap the model runners' ``load_model`` (idempotent)."""
+    for module, name in (("vllm.v1.worker.gpu_model_runner", "GPUModelRunner"),
+                         ("vllm.v1.worker.cpu_model_runner", "CPUModelRunner")):
+        try:
+            _wrap(getattr(__import__(module, fromlist=[name]), name))
+        except Exception:  # a vLLM without this runner: nothing to patch
+            continue
+
+
+def entry() -> None:
+    """The ``vllm.general_plugins`` entry point: the runtime in every engine of this process."""
+    global _EVERYWHERE
+    if os.environ.get("INTERP_ENGINE_VLLM_PLUGIN", "1") == "0":
+        return
+    _EVERYWHERE = True
+    register()

@@ -1,0 +1,434 @@
+"""The worker-resident runtime: lives inside each vLLM worker process, next to the model.
+
+Each forward it reads the plans of the requests scheduled in this step (from their
+``SamplingParams.extra_args``), maps the flat token rows to requests and absolute positions,
+applies the requests' steering and copies their captured rows into per-request buffers. A
+hook is installed on a module the first time any request needs it and stays (no per-step
+registration); the per-step work is the row map. Captures leave through ``collect`` (an rpc the
+client calls when its request finished) or are written to the file a request names when it ends.
+
+It holds no client state: only what the requests themselves carry. It never raises into
+vLLM's forward: an error while serving one request is recorded against that request (its
+client gets it with the captures) and the other requests in the batch go on.
+
+vLLM fuses add + RMSNorm, so a decoder layer returns ``(h, r)`` with resid_post = h + r,
+resid_mid = r, mlp_out = h, and takes ``(positions, hidden, residual)`` with
+resid_pre = hidden + residual (hidden alone at layer 0).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from interp_engine._address import Address
+from interp_engine._ops import apply_write, select_rows, stored
+from specs import ArchSpec, VllmTap
+
+from .wire import WirePlan, plan_from_args, process_registry, tensor_to_wire
+
+__all__ = ["Runtime"]
+
+log = logging.getLogger("interp_engine.vllm")
+
+# what the layer / module hooks read or write, by tap source
+_PRE_SOURCES = ("layer_in", "fused_in_sum", "module_in")
+_FINISHED_KEEP = 4096  # finished requests whose captures wait for their client, at most
+
+
+class _Buffer:
+    """One request's rows of one point: a growing CPU buffer indexed by absolute position, and
+    which positions it holds (a recomputed position keeps its last value)."""
+
+    __slots__ = ("data", "written", "filled")
+
+    def __init__(self) -> None:
+        self.data: torch.Tensor | None = None
+        self.written: torch.Tensor | None = None
+        self.filled = 0  # 1 + the highest position written
+
+    def put(self, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        n = positions.numel()
+        if n == 0:
+            return
+        first, last = int(positions[0]), int(positions[-1])
+        contiguous = last - first + 1 == n
+        top = last + 1 if contiguous else int(positions.max()) + 1
+        if self.data is None or top > self.data.shape[0]:
+            capacity = max(top, 16) if self.data is None else max(top, 2 * self.data.shape[0])
+            grown = torch.empty((capacity,) + tuple(rows.shape[1:]), dtype=rows.dtype)
+            marks = torch.zeros(capacity, dtype=torch.bool)
+            if self.data is not None:
+                grown[: self.data.shape[0]] = self.data
+                marks[: self.written.shape[0]] = self.written
+            self.data, self.written = grown, marks
+        if contiguous:
+            self.data[first:top] = rows
+            self.written[first:top] = True
+        else:
+            index = positions.long()
+            self.data.index_copy_(0, index, rows)
+            self.written[index] = True
+        self.filled = max(self.filled, top)
+
+    def complete(self, rows: int) -> bool:
+        return self.written is not None and rows <= self.written.shape[0] and bool(self.written[:rows].all())
+
+
+@dataclass(eq=False)
+class _Request:
+    """One request's plan and state inside this worker."""
+
+    plan: WirePlan
+    prompt_len: int
+    vectors: list[torch.Tensor] = field(default_factory=list)  # effective vectors on the device
+    buffers: dict[tuple, _Buffer] = field(default_factory=dict)
+    error: str | None = None
+
+
+@dataclass
+class _Site:
+    """A module the runtime has hooked, and this forward's work at it."""
+
+    module: nn.Module
+    handles: list = field(default_factory=list)
+    pre: list = field(default_factory=list)  # [(kind, source, request, index, s, e)]
+    post: list = field(default_factory=list)
+
+
+class Runtime:
+    """Per worker process. ``install`` once after the model is loaded."""
+
+    def __init__(self, runner: Any, spec: ArchSpec, store_captures: bool = True) -> None:
+        self.runner = runner
+        self.root: nn.Module = runner.model
+        self.spec = spec
+        self.store_captures = store_captures  # False on tensor-parallel ranks > 0 for replicated points
+        self.rank_shards: set[str] = set()  # point names stored on every rank (sharded taps)
+        self.registry = process_registry()
+        self.requests: dict[str, _Request | None] = {}  # vLLM req id -> state (None: no plan)
+        self.by_rid: dict[str, _Request] = {}  # the plan's own rid -> state
+        self.finished: collections.OrderedDict[str, _Request] = collections.OrderedDict()
+        self.released: collections.OrderedDict[str, None] = collections.OrderedDict()  # never admit again
+        self.sites: dict[str, _Site] = {}
+        self.positions: torch.Tensor | None = None
+        self.active: list[tuple[_Request, int, int]] = []
+        self.lock = threading.Lock()
+        self.device = next(self.root.parameters()).device
+        self.dtype = next(self.root.parameters()).dtype
+        self.steps = 0
+        self.forward_rows: collections.deque[int] = collections.deque(maxlen=1024)  # for checks
+        self._handle = self.root.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+
+    # ---- per forward: which rows belong to which request --------------------------------
+    def _on_forward(self, module, args, kwargs):
+        try:
+            self._map_rows(kwargs.get("positions", args[1] if len(args) > 1 else None))
+        except Exception as exc:  # never into vLLM's forward
+            log.exception("interp_engine runtime: row map failed")
+            for request, _, _ in self.active:
+                request.error = request.error or f"row map failed: {exc!r}"
+            self._clear_sites()
+            self.active = []
+        return None
+
+    def _map_rows(self, positions: torch.Tensor | None) -> None:
+        runner = self.runner
+        self._clear_sites()
+        self.active = []
+        batch = runner.input_batch
+        num_reqs = batch.num_reqs
+        ids = batch.req_ids[:num_reqs]
+        self.steps += 1
+        if positions is not None:
+            self.forward_rows.append(int(positions.shape[0]))
+        if self.requests:
+            self._sweep()
+        starts = None
+        for j, req_id in enumerate(ids):
+            request = self.requests.get(req_id, False)
+            if request is False:
+                request = self.requests[req_id] = self._admit(req_id)
+            if request is None or request.error is not None:
+                continue
+            if starts is None:
+                starts = runner.query_start_loc.np[: num_reqs + 1].tolist()
+            self.active.append((request, starts[j], starts[j + 1]))
+        if not self.active:
+            self.positions = None
+            return
+        # positions is a persistent buffer vLLM rewrites every step: copy it
+        self.positions = positions.detach().to("cpu", copy=True) if positions is not None else None
+        for request, s, e in self.active:
+            self._plan_rows(request, s, e)
+
+    def _admit(self, req_id: str) -> _Request | None:
+        state = self.runner.requests.get(req_id)
+        params = getattr(state, "sampling_params", None)
+        extra = getattr(params, "extra_args", None) if params is not None else None
+        if not extra:
+            return None
+        try:
+            plan = plan_from_args(extra, registry=self.registry, rid=req_id)
+        except Exception as exc:
+            plan = WirePlan(str(extra.get("interp_engine", {}).get("rid", req_id)) if isinstance(
+                extra.get("interp_engine"), dict) else req_id, (), ())
+            request = _Request(plan, 0, error=f"bad plan: {exc}")
+            self.by_rid[plan.rid] = request
+            return request
+        if plan is None or plan.empty or plan.rid in self.released:
+            return None  # no plan, or its client already let it go (a cancel racing the scheduler)
+        request = _Request(plan, int(state.num_prompt_tokens))
+        try:
+            request.vectors = [op.vector.to(self.device, self.dtype) for op in plan.writes]
+            for address in plan.reads:
+                self._site(self._tap(address.name, False).module_path(address.layer))
+            for op in plan.writes:
+                self._site(self._tap(op.address.name, True).module_path(op.address.layer))
+        except Exception as exc:
+            request.error = f"cannot serve this plan here: {exc!r}"
+        self.by_rid[plan.rid] = request
+        return request
+
+    def _tap(self, name: str, writing: bool) -> VllmTap:
+        if writing and name in self.spec.vllm_writes:
+            return self.spec.vllm_writes[name]
+        return self.spec.vllm[name]
+
+    def _plan_rows(self, request: _Request, s: int, e: int) -> None:
+        for i, op in enumerate(request.plan.writes):
+            tap = self._tap(op.address.name, True)
+            site = self.sites[tap.module_path(op.address.layer)]
+            (site.pre if tap.source in _PRE_SOURCES else site.post).append(("w", tap.source, request, i, s, e))
+        if not self.store_captures:
+            reads = [a for a in request.plan.reads if a.name in self.rank_shards]
+        else:
+            reads = request.plan.reads
+        for address in reads:
+            tap = self._tap(address.name, False)
+            site = self.sites[tap.module_path(address.layer)]
+            (site.pre if tap.source in _PRE_SOURCES else site.post).append(("r", tap.source, request, address, s, e))
+
+    def _clear_sites(self) -> None:
+        for site in self.sites.values():
+            if site.pre:
+                site.pre = []
+            if site.post:
+                site.post = []
+
+    # ---- hooks: installed once per module, on first use ---------------------------------
+    def _site(self, path: str) -> _Site:
+        site = self.sites.get(path)
+        if site is None:
+            module = self.root.get_submodule(path)
+            site = self.sites[path] = _Site(module)
+            site.handles.append(module.register_forward_pre_hook(self._pre_hook(site), with_kwargs=True))
+            site.handles.append(module.register_forward_hook(self._post_hook(site)))
+        return site
+
+    def _pre_hook(self, site: _Site) -> Callable:
+        def hook(module, args, kwargs):
+            if not site.pre:
+                return None
+            return self._run_pre(site, args, kwargs)
+        return hook
+
+    def _post_hook(self, site: _Site) -> Callable:
+        def hook(module, args, out):
+            if not site.post:
+                return None
+            return self._run_post(site, out)
+        return hook
+
+    def _guard(self, request: _Request, fn: Callable, *args) -> None:
+        try:
+            fn(*args)
+        except Exception as exc:
+            log.exception("interp_engine runtime: request %s failed", request.plan.rid)
+            request.error = request.error or f"{type(exc).__name__}: {exc}"
+
+    def _write(self, request: _Request, i: int, x: torch.Tensor, s: int, e: int,
+               base: torch.Tensor | None) -> None:
+        op = request.plan.writes[i]
+        sel = select_rows(op.positions, op.per_position, self.positions[s:e], request.prompt_len)
+        if sel.empty:
+            return
+        x[s:e] = apply_write(op.op, x[s:e], request.vectors[i], sel, None if base is None else base[s:e])
+
+    def _read(self, request: _Request, address: Address, rows: torch.Tensor, s: int, e: int) -> None:
+        """``rows`` (already copied to the CPU) are rows s:e of this forward."""
+        buffer = request.buffers.get(address)
+        if buffer is None:
+            buffer = request.buffers[address] = _Buffer()
+        buffer.put(self.positions[s:e], rows)
+
+    def _apply(self, work: list, source: str, x: torch.Tensor, base: torch.Tensor | None,
+               read_value: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """Writes of ``source`` on a fresh copy of ``x`` (in plan order), then its reads."""
+        writes = [w for w in work if w[0] == "w" and w[1] == source and w[2].error is None]
+        if writes:
+            x = x.clone()
+            for _, _, request, i, s, e in writes:
+                self._guard(request, self._write, request, i, x, s, e, base)
+        reads = [w for w in work if w[0] == "r" and w[1] == source and w[2].error is None]
+        if reads:
+            value = read_value(x)
+            spans = sorted({(s, e) for _, _, _, _, s, e in reads})
+            if len(spans) == 1:  # one copy of the rows every reader needs, then slices of it
+                lo, hi = spans[0]
+                rows, at = stored(value[lo:hi]), {spans[0]: 0}
+            else:
+                index = torch.cat([torch.arange(s, e) for s, e in spans])
+                rows = stored(value.index_select(0, index.to(value.device)))
+                at, offset = {}, 0
+                for s, e in spans:
+                    at[(s, e)] = offset
+                    offset += e - s
+            for _, _, request, address, s, e in reads:
+                a = at[(s, e)]
+                self._guard(request, self._read, request, address, rows[a:a + e - s], s, e)
+        return x
+
+    def _run_pre(self, site: _Site, args, kwargs):
+        work = site.pre
+        sources = {w[1] for w in work}
+        args = list(args)
+        if "layer_in" in sources:  # decoder layer (positions, hidden, residual)
+            in_kw = "hidden_states" in kwargs
+            hidden = kwargs["hidden_states"] if in_kw else args[1]
+            residual = kwargs.get("residual", args[2] if len(args) > 2 else None)
+            new = self._apply(work, "layer_in", hidden, residual,
+                              lambda h: h if residual is None else h + residual)
+            if new is not hidden:
+                if in_kw:
+                    kwargs = dict(kwargs, hidden_states=new)
+                else:
+                    args[1] = new
+        if "fused_in_sum" in sources:  # norm(x, residual): the point is x + residual
+            x, residual = args[0], args[1] if len(args) > 1 else kwargs.get("residual")
+            args[0] = self._apply(work, "fused_in_sum", x, residual, lambda v: v + residual)
+        if "module_in" in sources:
+            first = args[0] if args else next(iter(kwargs.values()))
+            self._apply(work, "module_in", first, None, lambda v: v)
+        return tuple(args), kwargs
+
+    def _run_post(self, site: _Site, out):
+        work = site.post
+        sources = {w[1] for w in work}
+        if sources & {"layer_sum", "layer_h", "layer_r"}:
+            h, r = out
+            h = self._apply(work, "layer_sum", h, r, lambda v: v + r)
+            h = self._apply(work, "layer_h", h, None, lambda v: v)
+            self._apply(work, "layer_r", r, None, lambda v: v)
+            return h, r
+        if "module_out" in sources:
+            first = out[0] if isinstance(out, tuple) else out
+            new = self._apply(work, "module_out", first, None, lambda v: v)
+            if new is not first:
+                return (new,) + tuple(out[1:]) if isinstance(out, tuple) else new
+        return None
+
+    # ---- request lifetime ---------------------------------------------------------------
+    def _sweep(self) -> None:
+        """Requests vLLM no longer holds (finished, aborted): hand their captures over."""
+        live = self.runner.requests
+        for req_id in [r for r in self.requests if r not in live]:
+            request = self.requests.pop(req_id)
+            if request is not None:
+                self._finish(request)
+
+    def _finish(self, request: _Request) -> None:
+        if request.plan.capture_path:
+            self._write_file(request)
+            self.by_rid.pop(request.plan.rid, None)
+            return
+        self.finished[request.plan.rid] = request
+        while len(self.finished) > _FINISHED_KEEP:  # a client that never came back
+            rid, _ = self.finished.popitem(last=False)
+            self.by_rid.pop(rid, None)
+
+    def _write_file(self, request: _Request, n: int | None = None) -> None:
+        if not self.store_captures or not request.plan.reads:
+            return
+        from safetensors.torch import save_file
+
+        tensors, meta = {}, {"rid": request.plan.rid}
+        if request.error:
+            meta["error"] = request.error
+        for address in request.plan.reads:
+            buffer = request.buffers.get(address)
+            rows = buffer.filled if n is None else n
+            tensors[str(address)] = (buffer.data[:rows] if buffer is not None and buffer.data is not None
+                                     else torch.empty(0)).contiguous()
+        path = request.plan.capture_path
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = f"{path}.tmp{os.getpid()}"
+        save_file(tensors, tmp, metadata=meta)
+        os.replace(tmp, path)
+
+    def collect(self, rid: str, n_positions: int | None, release: bool = True) -> dict:
+        """The rows of request ``rid`` at positions < ``n_positions`` (all with None), per
+        address, as wire tensors; ``error`` if serving it failed. Frees it when ``release``."""
+        request = self.by_rid.get(rid)
+        if request is None:
+            return {"found": False}
+        out: dict[str, Any] = {"found": True, "error": request.error, "values": {}}
+        if request.error is None:
+            for address in request.plan.reads:
+                if not self.store_captures and address.name not in self.rank_shards:
+                    continue
+                buffer = request.buffers.get(address)
+                have = 0 if buffer is None else buffer.filled
+                rows = have if n_positions is None else n_positions
+                if rows and (buffer is None or not buffer.complete(rows)):
+                    out["error"] = (f"{address}: the worker did not see every one of the request's {rows} "
+                                    "positions (prefix caching or speculative decoding may be on)")
+                    break
+                out["values"][str(address)] = tensor_to_wire(buffer.data[:rows])
+        if release:
+            self.release(rid)
+        return out
+
+    def flush(self, rid: str) -> bool:
+        """Write the captures of ``rid`` to its capture_path now (the server calls this once the
+        response is complete, so the file exists when the client reads the path)."""
+        request = self.by_rid.get(rid)
+        if request is None or not request.plan.capture_path:
+            return False
+        self._write_file(request)
+        self.release(rid)
+        return True
+
+    def release(self, rid: str) -> None:
+        """Forget ``rid`` (captures included): after collect, or when its client cancelled."""
+        request = self.by_rid.pop(rid, None)
+        self.finished.pop(rid, None)
+        self.released[rid] = None
+        while len(self.released) > _FINISHED_KEEP:
+            self.released.popitem(last=False)
+        if request is not None:
+            for req_id, state in list(self.requests.items()):
+                if state is request:
+                    self.requests[req_id] = None  # still scheduled (a cancel in flight): no plan now
+            request.buffers.clear()
+
+    def stats(self) -> dict:
+        return {"live": sum(1 for r in self.requests.values() if r is not None),
+                "finished": len(self.finished), "by_rid": len(self.by_rid), "sites": len(self.sites),
+                "hooks": sum(len(s.handles) for s in self.sites.values()) + 1,
+                "forwards": self.steps, "forward_rows": list(self.forward_rows),
+                "scheduled": len(self.runner.requests)}
+
+    def uninstall(self) -> None:
+        self._handle.remove()
+        for site in self.sites.values():
+            for handle in site.handles:
+                handle.remove()
+        self.sites.clear()

@@ -1,0 +1,277 @@
+"""Plans and captures as plain data: what crosses from a client to vLLM's workers (inside
+``SamplingParams.extra_args``) and back (through ``collective_rpc``).
+
+Nothing here holds a torch object on the wire, so every engine shape carries it the same way
+(in-process ``LLM``, multiprocess ``LLM``, ``AsyncLLM``, ``vllm serve``, Ray workers on other
+machines): vectors travel as lists of floats (or by name, from a registry loaded into the
+workers), captures as ``(dtype, shape, bytes)``. No vllm import: the client, the worker
+runtime, the admission validator and the server all read this one format.
+
+Two spellings of a plan reach a worker:
+
+- ``extra_args["interp_engine"] = {...}`` — what this library's client sends (``plan_to_wire``);
+- flat ``vllm_xargs`` a server request can carry (str / int / float / lists of them):
+  ``interp_steer`` (a registered vector's name), ``interp_scale``, ``interp_at`` (a point;
+  default: the vector's registered point), ``interp_positions`` ("all", "prompt", "generated"
+  or a list of positions), ``interp_capture`` (a list of points, or one comma-separated string)
+  and ``interp_capture_path`` (where the worker writes them; the server sets it).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import os
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import Any, Mapping
+
+import torch
+
+from interp_engine._address import Address, to_address
+from interp_engine._plan import OPS, Plan, _norm_positions
+
+__all__ = ["KEY", "FLAT_KEYS", "PlanError", "VectorRegistry", "WireOp", "WirePlan", "plan_from_args",
+           "plan_to_wire", "tensor_from_wire", "tensor_to_wire"]
+
+KEY = "interp_engine"
+VERSION = 1
+FLAT_KEYS = ("interp_steer", "interp_scale", "interp_at", "interp_positions", "interp_capture",
+             "interp_capture_path")
+_DTYPES = {str(d).replace("torch.", ""): d for d in (torch.float32, torch.float16, torch.bfloat16, torch.float64)}
+
+
+class PlanError(ValueError):
+    """A plan in extra_args that cannot run: says what was wrong and what to send instead."""
+
+
+# ---- tensors --------------------------------------------------------------------------
+
+def tensor_to_wire(t: torch.Tensor) -> tuple[str, list[int], bytes]:
+    t = t.detach().to("cpu").contiguous()
+    return str(t.dtype).replace("torch.", ""), list(t.shape), t.view(-1).view(torch.uint8).numpy().tobytes()
+
+
+def tensor_from_wire(wire) -> torch.Tensor:
+    dtype, shape, data = wire
+    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return flat.view(_DTYPES[dtype] if dtype in _DTYPES else getattr(torch, dtype)).reshape(shape)
+
+
+# ---- vector registry ------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class VectorRegistry:
+    """Named steering vectors (and the point each is meant for), loaded once per process from
+    a safetensors file: tensor names are vector names; metadata ``{name: point}`` gives a
+    default site. ``INTERP_ENGINE_VECTORS`` names the file in worker and server processes."""
+
+    vectors: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    points: Mapping[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def load(cls, path: str | os.PathLike | None) -> "VectorRegistry":
+        if not path:
+            return cls()
+        from safetensors import safe_open
+
+        vectors, points = {}, {}
+        with safe_open(os.fspath(path), framework="pt") as handle:
+            meta = handle.metadata() or {}
+            for name in handle.keys():
+                vectors[name] = handle.get_tensor(name)
+                if name in meta:
+                    points[name] = meta[name]
+        return cls(MappingProxyType(vectors), MappingProxyType(points))
+
+    @staticmethod
+    def save(path: str | os.PathLike, vectors: Mapping[str, torch.Tensor],
+             points: Mapping[str, str] | None = None) -> None:
+        from safetensors.torch import save_file
+
+        save_file({k: v.detach().contiguous() for k, v in vectors.items()}, os.fspath(path),
+                  metadata={k: str(v) for k, v in (points or {}).items()})
+
+
+_PROCESS_REGISTRY: VectorRegistry | None = None
+
+
+def process_registry() -> VectorRegistry:
+    """The vectors named by ``INTERP_ENGINE_VECTORS`` in this process (loaded once)."""
+    global _PROCESS_REGISTRY
+    if _PROCESS_REGISTRY is None:
+        _PROCESS_REGISTRY = VectorRegistry.load(os.environ.get("INTERP_ENGINE_VECTORS"))
+    return _PROCESS_REGISTRY
+
+
+# ---- plans ------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WireOp:
+    address: Address
+    op: str
+    vector: torch.Tensor  # the effective vector: scale * v for add, unit for ablate
+    positions: Any  # "all" | "prompt" | "generated" | tuple of positions
+    per_position: bool
+
+
+@dataclass(frozen=True)
+class WirePlan:
+    rid: str
+    reads: tuple[Address, ...]
+    writes: tuple[WireOp, ...]
+    capture_path: str | None = None  # write captures here when the request ends (else: rpc)
+
+    @property
+    def empty(self) -> bool:
+        return not self.reads and not self.writes
+
+
+def plan_to_wire(plan: Plan, rid: str, capture_path: str | None = None, model: str | None = None) -> dict:
+    """A validated Plan as plain data for ``SamplingParams(extra_args={KEY: ...})``."""
+    writes = []
+    for op in plan.writes:
+        vec = op.vector  # a copy; the effective vector is computed in the worker
+        writes.append({
+            "at": str(op.address), "op": op.op, "scale": op.scale,
+            "positions": op.positions if isinstance(op.positions, str) else list(op.positions),
+            "vector": vec.to(torch.float64).tolist(), "dtype": str(op.dtype).replace("torch.", ""),
+        })
+    data = {"v": VERSION, "rid": rid, "reads": [str(a) for a in plan.reads], "writes": writes}
+    if model:
+        data["model"] = model  # the graph's fingerprint, for admission checks
+    if capture_path:
+        data["capture_path"] = capture_path
+    return data
+
+
+def _fail(message: str) -> PlanError:
+    return PlanError(f"interp_engine plan: {message}")
+
+
+def _address(value, what: str) -> Address:
+    try:
+        return to_address(value)
+    except (TypeError, ValueError) as exc:
+        raise _fail(f"{what} {value!r} is not a point address ({exc}); send 'name.layer', e.g. 'resid_post.3'") from None
+
+
+def _positions(value) -> Any:
+    try:
+        return _norm_positions(value)
+    except (TypeError, ValueError) as exc:
+        raise _fail(f"positions {value!r}: {exc}") from None
+
+
+def _effective(op: str, vec: torch.Tensor, scale: float) -> torch.Tensor:
+    if op == "add":
+        return vec * scale
+    if op == "ablate":
+        return vec / vec.norm()
+    return vec
+
+
+def _check_graph(address: Address, graph, writing: bool) -> None:
+    if graph is None:
+        return
+    try:
+        graph.check_address(address)
+    except ValueError as exc:
+        raise _fail(str(exc)) from None
+    if writing and not graph.point(address.name).writable:
+        writable = ", ".join(p.name for p in graph.points() if p.writable)
+        raise _fail(f"{address} is not a steering site; steer at one of: {writable}")
+
+
+def _write(entry: Mapping, graph, registry: VectorRegistry) -> WireOp:
+    if not isinstance(entry, Mapping):
+        raise _fail(f"each write is a mapping with 'at', 'op', 'vector' (or 'name'), got {entry!r}")
+    op = entry.get("op", "add")
+    if op not in OPS:
+        raise _fail(f"unknown op {op!r}; send one of {OPS}")
+    scale = entry.get("scale", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
+        raise _fail(f"scale {scale!r} must be a finite number")
+    if "name" in entry:
+        name = entry["name"]
+        if name not in registry.vectors:
+            known = ", ".join(sorted(registry.vectors)) or "none (start the server with --vectors FILE)"
+            raise _fail(f"unknown vector name {name!r}; registered vectors: {known}")
+        vec = registry.vectors[name].to(torch.float32)
+        at = entry.get("at") or registry.points.get(name)
+        if not at:
+            raise _fail(f"vector {name!r} has no registered point: send 'interp_at' (e.g. 'resid_post.3')")
+    else:
+        if "vector" not in entry:
+            raise _fail("a write needs 'vector' (a list of floats) or 'name' (a registered vector)")
+        try:
+            vec = torch.tensor(entry["vector"], dtype=torch.float64)
+        except (TypeError, ValueError):
+            raise _fail("'vector' must be a list of numbers (or a list of such lists, one per position)") from None
+        dtype = entry.get("dtype", "float32")
+        if dtype not in _DTYPES:
+            raise _fail(f"dtype {dtype!r}; send one of {sorted(_DTYPES)}")
+        vec = vec.to(_DTYPES[dtype])
+        at = entry.get("at")
+    address = _address(at, "write point")
+    _check_graph(address, graph, writing=True)
+    positions = _positions(entry.get("positions", "all"))
+    if vec.dim() not in (1, 2) or not bool(torch.isfinite(vec).all()):
+        raise _fail(f"vector at {address} must be finite, [d_model] or [n_positions, d_model]; "
+                    f"got shape {list(vec.shape)}")
+    per_position = vec.dim() == 2
+    if per_position and (not isinstance(positions, tuple) or len(positions) != vec.shape[0]):
+        raise _fail(f"a per-position vector at {address} has {vec.shape[0]} rows: send as many positions")
+    if graph is not None and vec.shape[-1] != graph.d_model:
+        raise _fail(f"vector at {address} has width {vec.shape[-1]}; this model's d_model is {graph.d_model}")
+    if op == "ablate" and (per_position or not float(vec.norm()) > 0):
+        raise _fail(f"ablate at {address} takes one direction with a non-zero norm")
+    return WireOp(address, op, _effective(op, vec, float(scale)), positions, per_position)
+
+
+def plan_from_args(extra_args: Mapping | None, graph=None, registry: VectorRegistry | None = None,
+                   rid: str | None = None) -> WirePlan | None:
+    """The plan a request carries (None when it carries none), checked against ``graph``
+    when one is known. Raises PlanError saying what to send instead."""
+    if not extra_args:
+        return None
+    registry = registry if registry is not None else process_registry()
+    if KEY in extra_args:
+        data = extra_args[KEY]
+        if not isinstance(data, Mapping) or data.get("v") != VERSION:
+            raise _fail(f"extra_args[{KEY!r}] must be a mapping with v={VERSION} (build it with plan_to_wire)")
+        reads = data.get("reads", [])
+        writes = data.get("writes", [])
+        if not isinstance(reads, (list, tuple)) or not isinstance(writes, (list, tuple)):
+            raise _fail("'reads' and 'writes' must be lists")
+        plan_rid = str(data.get("rid") or rid or "")
+        capture_path = data.get("capture_path")
+    elif any(key in extra_args for key in FLAT_KEYS):
+        unknown = sorted(k for k in extra_args if k.startswith("interp_") and k not in FLAT_KEYS)
+        if unknown:
+            raise _fail(f"unknown keys {unknown}; the keys are {', '.join(FLAT_KEYS)}")
+        writes = []
+        if "interp_steer" in extra_args:
+            writes.append({"name": extra_args["interp_steer"], "at": extra_args.get("interp_at"),
+                           "scale": extra_args.get("interp_scale", 1.0), "op": "add",
+                           "positions": extra_args.get("interp_positions", "all")})
+        elif any(k in extra_args for k in ("interp_scale", "interp_at", "interp_positions")):
+            raise _fail("interp_scale / interp_at / interp_positions steer only with interp_steer (a vector name)")
+        reads = extra_args.get("interp_capture", [])
+        if isinstance(reads, str):
+            reads = [r.strip() for r in reads.split(",") if r.strip()]
+        capture_path = extra_args.get("interp_capture_path")
+        plan_rid = str(capture_path or rid or "")  # the server flushes a capture by its path
+        if reads and not capture_path:
+            raise _fail("interp_capture needs interp_capture_path (interp-engine serve sets it and returns it)")
+    else:
+        return None
+    addresses = []
+    for value in reads:
+        address = _address(value, "capture point")
+        _check_graph(address, graph, writing=False)
+        addresses.append(address)
+    ops = tuple(_write(entry, graph, registry) for entry in writes)
+    if capture_path is not None and not isinstance(capture_path, str):
+        raise _fail("capture_path must be a string")
+    return WirePlan(plan_rid, tuple(dict.fromkeys(addresses)), ops, capture_path)

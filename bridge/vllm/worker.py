@@ -1,0 +1,137 @@
+"""What vLLM mixes into each worker (``worker_extension_cls``): a few methods a client reaches
+through ``collective_rpc``. Everything crosses as plain data (wire tensors), so the same calls
+work in process, across processes, and on Ray workers on other machines.
+
+Also ``install_runtime``, which the ``vllm.general_plugins`` entry point uses to load the
+runtime in workers of engines this library did not start (``vllm serve``).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+
+from .plugin import register
+from .wire import tensor_from_wire, tensor_to_wire
+
+# vLLM imports this module in each worker process before it builds the worker: from here on the
+# runtime is installed as soon as the model is loaded (before any profiling or compilation).
+register()
+
+__all__ = ["InterpWorkerExtension", "install_runtime", "runtime_of"]
+
+log = logging.getLogger("interp_engine.vllm")
+_ATTR = "_interp_engine_runtime"
+
+
+def _tp() -> tuple[int, int]:
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+
+    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
+
+
+def install_runtime(runner: Any):
+    """The runtime of this model runner, installed on first call (idempotent)."""
+    runtime = getattr(runner, _ATTR, None)
+    if runtime is not None:
+        return runtime
+    from specs import spec_for_config
+
+    from .runtime import Runtime
+
+    spec = spec_for_config(runner.model_config.hf_config)
+    rank, world = _tp()
+    runtime = Runtime(runner, spec, store_captures=rank == 0)
+    # points a tensor-parallel rank holds only a slice of are stored on every rank
+    runtime.rank_shards = {name for name, tap in spec.vllm.items() if tap.sharded} if world > 1 else set()
+    setattr(runner, _ATTR, runtime)
+    return runtime
+
+
+def runtime_of(runner: Any):
+    runtime = getattr(runner, _ATTR, None)
+    if runtime is None:
+        raise RuntimeError("the interp_engine runtime is not installed in this worker: call "
+                           "collective_rpc('interp_install') first (load_model does)")
+    return runtime
+
+
+class InterpWorkerExtension:
+    """Mixed into vLLM's worker class; ``self`` is the worker."""
+
+    def _interp_runtime(self):
+        return runtime_of(self.model_runner)
+
+    def interp_install(self) -> dict:
+        install_runtime(self.model_runner)
+        rank, world = _tp()
+        return {"rank": rank, "world": world}
+
+    def interp_collect(self, rid: str, n_positions: int | None, release: bool = True) -> dict:
+        out = self._interp_runtime().collect(rid, n_positions, release)
+        out["rank"] = _tp()[0]
+        return out
+
+    def interp_release(self, rid: str) -> None:
+        self._interp_runtime().release(rid)
+
+    def interp_flush(self, rid: str) -> bool:
+        return self._interp_runtime().flush(rid)
+
+    def interp_stats(self) -> dict:
+        return self._interp_runtime().stats()
+
+    # ---- where the weights are ---------------------------------------------------------
+    def _interp_root(self):
+        return self.model_runner.model
+
+    def interp_decode(self, resid) -> Any:
+        """Final norm, then vLLM's own logits (lm head, soft-cap, gather across ranks)."""
+        runtime = self._interp_runtime()
+        root = self._interp_root()
+        x = tensor_from_wire(resid)
+        shape = x.shape
+        with torch.inference_mode():
+            flat = x.reshape(-1, shape[-1]).to(runtime.device, runtime.dtype)
+            norm = root.get_submodule(runtime.spec.vllm_final_norm_path)
+            logits = root.compute_logits(norm(flat))
+        if logits is None:  # a rank the logits were not gathered to
+            return None
+        return tensor_to_wire(logits.reshape(*shape[:-1], logits.shape[-1]))
+
+    def interp_heads(self, layer: int, z) -> Any:
+        """Each head's write through vLLM's own o_proj (one head kept at a time), so that no
+        weight is read as a matrix (CPU kernels repack them; tensor parallelism shards them)."""
+        runtime = self._interp_runtime()
+        root = self._interp_root()
+        rank, world = _tp()
+        o_proj = root.get_submodule(runtime.spec.vllm["z"].module_path(layer))
+        full = tensor_from_wire(z)  # [b, p, n_heads, d_head]
+        b, p, h, d = full.shape
+        mine = h // world  # this rank's heads
+        local = full[:, :, rank * mine:(rank + 1) * mine].reshape(b * p, mine * d)
+        local = local.to(runtime.device, runtime.dtype)
+
+        def run(x):
+            out = o_proj(x)
+            return out[0] if isinstance(out, tuple) else out
+
+        heads = []
+        with torch.inference_mode():
+            base = run(torch.zeros_like(local[:1]))
+            for head in range(h):  # every rank runs every head (the all-reduce is collective)
+                masked = torch.zeros_like(local)
+                owner, j = divmod(head, mine)
+                if owner == rank:
+                    masked[:, j * d:(j + 1) * d] = local[:, j * d:(j + 1) * d]
+                heads.append(run(masked) - base)
+        return tensor_to_wire(torch.stack(heads, dim=1).reshape(b, p, h, -1)) if rank == 0 else None
+
+    def interp_embed(self, ids: list[int]) -> Any:
+        root = self._interp_root()
+        runtime = self._interp_runtime()
+        with torch.inference_mode():
+            out = root.embed_input_ids(torch.tensor(ids, dtype=torch.long, device=runtime.device))
+        return tensor_to_wire(out) if _tp()[0] == 0 else None

@@ -1,0 +1,97 @@
+"""Plans and captures as plain data (no engine): what the client sends is what the worker reads,
+a bad plan is refused naming what to send instead, and tensors survive the wire bit for bit."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
+
+from interp_engine import Address, Plan, SteerSpec, capture_plan, steer_plan  # noqa: E402
+from interp_engine.testing import tiny_config  # noqa: E402
+from specs import spec_for_config  # noqa: E402
+
+D = 128
+
+
+@pytest.fixture(scope="module")
+def graph():
+    config = tiny_config("qwen3")
+    return spec_for_config(config).graph_from_config(config)
+
+
+def _wire():
+    from bridge.vllm import wire
+    return wire
+
+
+def test_a_plan_round_trips_through_plain_data(graph):
+    wire = _wire()
+    v = torch.randn(D)
+    u = torch.randn(2, D)
+    spec = (SteerSpec.add("resid_post.1", v, scale=2.5, positions="prompt")
+            | SteerSpec.ablate("resid_mid.0", v) | SteerSpec.set("resid_pre.2", u, positions=[3, 7]))
+    plan = capture_plan(graph, ["z.1", "resid_post.2"]) | steer_plan(graph, spec)
+    data = wire.plan_to_wire(plan, "rid-1")
+    json.dumps(data)  # plain data only: it must serialise as JSON (and msgpack)
+    back = wire.plan_from_args({wire.KEY: data}, graph=graph)
+    assert back.rid == "rid-1" and back.reads == (Address("z", 1), Address("resid_post", 2))
+    assert [op.address for op in back.writes] == [op.address for op in plan.writes]
+    for got, op in zip(back.writes, plan.writes):
+        assert got.op == op.op and got.positions == op.positions and got.per_position == op.per_position
+        assert torch.equal(got.vector, op.effective())  # the worker's effective vector, bit for bit
+
+
+@pytest.mark.parametrize("mutate, match", [
+    (lambda d: d["writes"][0].update(at="resid_post.9"), r"layer 9 out of range"),
+    (lambda d: d["writes"][0].update(vector=[0.0] * 64), r"width 64; this model's d_model is 128"),
+    (lambda d: d["writes"][0].update(op="multiply"), r"unknown op 'multiply'"),
+    (lambda d: d["writes"][0].update(at="z.1"), r"z.1 is not a steering site"),
+    (lambda d: d["writes"][0].update(scale=float("nan")), r"scale nan must be a finite number"),
+    (lambda d: d["reads"].append("nope.1"), r"'nope.1' is not a point address"),
+    (lambda d: d["reads"].append("resid_post.7"), r"layer 7 out of range"),
+    (lambda d: d["writes"][0].update(positions=[-1]), r"non-negative"),
+    (lambda d: d.update(v=99), r"v=1"),
+])
+def test_a_bad_plan_is_refused_with_what_to_send_instead(graph, mutate, match):
+    wire = _wire()
+    plan = capture_plan(graph, ["resid_post.1"]) | steer_plan(graph, SteerSpec.add("resid_post.1", torch.randn(D)))
+    data = wire.plan_to_wire(plan, "r")
+    mutate(data)
+    with pytest.raises(wire.PlanError, match=match):
+        wire.plan_from_args({wire.KEY: data}, graph=graph)
+
+
+def test_server_style_flat_arguments(graph, tmp_path):
+    wire = _wire()
+    v = torch.randn(D)
+    path = tmp_path / "vectors.safetensors"
+    wire.VectorRegistry.save(path, {"happy": v, "nowhere": torch.randn(D)}, {"happy": "resid_post.1"})
+    registry = wire.VectorRegistry.load(path)
+    plan = wire.plan_from_args({"interp_steer": "happy", "interp_scale": 3.0,
+                                "interp_capture": "resid_post.0, mlp_out.2",
+                                "interp_capture_path": "/tmp/x.safetensors"}, graph=graph, registry=registry)
+    assert plan.rid == "/tmp/x.safetensors" and plan.reads == (Address("resid_post", 0), Address("mlp_out", 2))
+    assert plan.writes[0].address == Address("resid_post", 1) and torch.equal(plan.writes[0].vector, v * 3.0)
+    for args, match in (({"interp_steer": "sad"}, r"unknown vector name 'sad'; registered vectors: happy, nowhere"),
+                        ({"interp_steer": "nowhere"}, r"no registered point: send 'interp_at'"),
+                        ({"interp_scale": 2.0}, r"only with interp_steer"),
+                        ({"interp_capture": ["resid_post.0"]}, r"needs interp_capture_path"),
+                        ({"interp_steer": "happy", "interp_colour": 1}, r"unknown keys \['interp_colour'\]")):
+        with pytest.raises(wire.PlanError, match=match):
+            wire.plan_from_args(args, graph=graph, registry=registry)
+    assert wire.plan_from_args({"other": 1}, graph=graph) is None and wire.plan_from_args(None) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_tensors_cross_the_wire_bit_for_bit(dtype):
+    wire = _wire()
+    t = torch.randn(5, 3, 32).to(dtype)
+    back = wire.tensor_from_wire(wire.tensor_to_wire(t))
+    assert back.dtype == dtype and torch.equal(back, t)
+    back.add_(1)  # the copy is writable and its own
+    assert not torch.equal(back, t)
