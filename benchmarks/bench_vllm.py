@@ -1,20 +1,94 @@
-"""vLLM backend costs, in one run, as ratios against plain vLLM on the same engine:
-capture_generation of every layer's resid_post (32 greedy tokens) against a plain
-``llm.generate`` of the same request, and steered against unsteered generation for a batch of
-16 concurrent requests (both through interp_engine, plus plain vLLM for reference).
+"""What the worker runtime costs, in one run, as ratios against plain vLLM on the same requests.
 
-    .venv/bin/python benchmarks/bench_vllm.py [--arch qwen3] [--repeats N]
+For each engine shape (in-process, multiprocess) it starts three engines on the same weights:
+plain ``vllm.LLM`` with ``enforce_eager=True`` (the baseline: what the hook-based runtime
+needs), plain compiled ``vllm.LLM`` (vLLM's default; the column that shows what forcing eager
+costs) and an interp_engine model (the runtime in its workers). Each serves the same greedy
+requests, 1 and 16 at once, 32 generated tokens each:
+
+- ``no plan``: requests through interp_engine that capture and steer nothing;
+- ``capture``: every layer's resid_post captured (``model.capture_generation``);
+- ``steer``: one SteerSpec.add at the middle layer (``model.generate_full(..., steer=...)``).
+
+Targets (issue 10): capture <= 1.15x and steer <= 1.05x plain eager vLLM, both shapes.
+
+    .venv/bin/python benchmarks/bench_vllm.py [--arch qwen3] [--variant tiny] [--repeats 5]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import os
 
 import torch
 
 from _timing import interleaved_medians
+
+TARGETS = {"capture": 1.15, "steer": 1.05}
+
+
+def _plain_engine(path, max_model_len: int, compiled: bool):
+    from vllm import LLM, envs
+
+    envs.disable_envs_cache()  # this engine reads VLLM_ENABLE_V1_MULTIPROCESSING afresh
+    return LLM(model=str(path), dtype=torch.float32, enforce_eager=not compiled, enable_prefix_caching=False,
+               seed=0, max_model_len=max_model_len)
+
+
+def _shape(name: str, in_process: bool, args) -> dict[str, dict[str, float]]:
+    from vllm import SamplingParams
+
+    from interp_engine import Address, SteerSpec, load_model
+    from interp_engine.testing import tiny_model
+
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_process else "1"
+    path = tiny_model(args.arch, args.variant)
+    model = load_model(path, backend="vllm")
+    model.warmup()
+    eager = _plain_engine(path, model.backend.max_model_len, compiled=False)
+    compiled = _plain_engine(path, model.backend.max_model_len, compiled=True)
+
+    n = args.tokens
+    ids = model.to_tokens("The capital of France is a city where")[0].tolist()
+    points = [Address("resid_post", layer) for layer in range(model.n_layers)]
+    v = torch.randn(model.d_model, generator=torch.Generator().manual_seed(0))
+    spec = SteerSpec.add(f"resid_post.{model.n_layers // 2}", v / v.norm(), scale=2.0)
+    greedy = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+
+    results: dict[str, dict[str, float]] = {}
+    for batch in (1, 16):
+        prompts = [ids[: 4 + (i % 6)] for i in range(batch)] if batch > 1 else [ids]
+
+        def plain(llm, prompts=prompts):
+            def run():
+                outs = llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+                assert all(len(o.outputs[0].token_ids) == n for o in outs)
+            return run
+
+        def through(make, prompts=prompts):
+            def run():
+                async def go():
+                    return await asyncio.gather(*[make(p) for p in prompts])
+                asyncio.run(go())
+            return run
+
+        fns = {
+            "plain eager vLLM": plain(eager),
+            "plain compiled vLLM": plain(compiled),
+            "no plan": through(lambda p: model.generate_full(p, max_tokens=n, temperature=0.0, stop_at_eos=False)),
+            "capture": through(lambda p: model.capture_generation(p, points, max_tokens=n, temperature=0.0,
+                                                                  stop_at_eos=False)),
+            "steer": through(lambda p: model.generate_full(p, max_tokens=n, temperature=0.0, stop_at_eos=False,
+                                                           steer=spec)),
+        }
+        results[f"{name}, {batch} request{'s' if batch > 1 else ''}"] = interleaved_medians(fns, repeats=args.repeats)
+
+    del eager, compiled
+    model.close()
+    gc.collect()
+    return results
 
 
 def main() -> None:
@@ -22,61 +96,30 @@ def main() -> None:
     parser.add_argument("--arch", default="qwen3")
     parser.add_argument("--variant", default="tiny")
     parser.add_argument("--tokens", type=int, default=32)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--shapes", default="in-process,multiprocess")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
-    from vllm import SamplingParams
+    results: dict[str, dict[str, float]] = {}
+    for shape in args.shapes.split(","):
+        results.update(_shape(shape, shape == "in-process", args))
 
-    from interp_engine import Address, SteerSpec, capture_generation, load_model
-    from interp_engine.testing import tiny_model
-
-    model = load_model(tiny_model(args.arch, args.variant), backend="vllm")
-    model.warmup()
-    llm = model.backend._llm
-    ids = model.to_tokens("The capital of France is a city where")[0].tolist()
-    n = args.tokens
-    points = [Address("resid_post", layer) for layer in range(model.n_layers)]
-    greedy = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True, detokenize=False)
-
-    def plain_one():
-        out = llm.generate([{"prompt_token_ids": ids}], greedy, use_tqdm=False)
-        assert len(out[0].outputs[0].token_ids) == n
-
-    def capture_one():
-        completion, cache = capture_generation(model, ids, points, max_tokens=n, temperature=0.0,
-                                               stop_at_eos=False)
-        assert cache[points[0]].shape[1] == len(ids) + n - 1
-
-    medians = interleaved_medians({"plain": plain_one, "capture": capture_one}, repeats=args.repeats)
-    print(f"\nvLLM {args.arch} {args.variant}: {model.n_layers} layers, prompt {len(ids)} tokens, {n} greedy tokens")
-    print(f"  plain llm.generate                      {medians['plain'] * 1e3:9.1f} ms")
-    print(f"  capture_generation resid_post x all     {medians['capture'] * 1e3:9.1f} ms   "
-          f"ratio {medians['capture'] / medians['plain']:.3f}")
-
-    v = torch.randn(model.d_model, generator=torch.Generator().manual_seed(0))
-    spec = SteerSpec.add(f"resid_post.{model.n_layers // 2}", v / v.norm(), scale=2.0)
-    prompts = [ids[: 4 + (i % 6)] for i in range(args.batch)]
-
-    def batch(steer_spec):
-        async def go():
-            return await asyncio.gather(*[model.generate_text(p, max_tokens=n, temperature=0.0,
-                                                              stop_at_eos=False, steer=steer_spec)
-                                          for p in prompts])
-        return lambda: asyncio.run(go())
-
-    def plain_batch():
-        llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
-
-    medians = interleaved_medians({"plain": plain_batch, "unsteered": batch(None), "steered": batch(spec)},
-                                  repeats=args.repeats)
-    print(f"\n  batch of {args.batch} concurrent requests, {n} greedy tokens each")
-    print(f"  plain llm.generate (reference)          {medians['plain'] * 1e3:9.1f} ms")
-    print(f"  interp_engine, unsteered                {medians['unsteered'] * 1e3:9.1f} ms   "
-          f"ratio vs plain {medians['unsteered'] / medians['plain']:.3f}")
-    print(f"  interp_engine, steered                  {medians['steered'] * 1e3:9.1f} ms   "
-          f"ratio vs unsteered {medians['steered'] / medians['unsteered']:.3f}")
+    print(f"\nvLLM runtime cost, {args.arch} {args.variant}, {args.tokens} greedy tokens per request; "
+          f"medians of {args.repeats} interleaved rounds; ratio = median / plain eager vLLM")
+    cols = ["plain eager vLLM", "plain compiled vLLM", "no plan", "capture", "steer"]
+    print(f"  {'':<28}" + "".join(f"{c:>21}" for c in cols))
+    for row, medians in results.items():
+        base = medians["plain eager vLLM"]
+        cells = "".join(f"{medians[c] * 1e3:11.1f} ms {medians[c] / base:5.2f}x" for c in cols)
+        print(f"  {row:<28}{cells}")
+    print("  targets: " + ", ".join(f"{k} <= {v:.2f}x" for k, v in TARGETS.items()))
+    for row, medians in results.items():
+        base = medians["plain eager vLLM"]
+        for key, target in TARGETS.items():
+            ratio = medians[key] / base
+            if ratio > target:
+                print(f"  MISSED: {row}: {key} {ratio:.3f}x > {target:.2f}x")
 
 
 if __name__ == "__main__":

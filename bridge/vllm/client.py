@@ -38,7 +38,7 @@ from interp_engine._tokens import TokenBatch
 from specs import ArchSpec
 
 from ..outputs import full_output
-from .wire import plan_to_wire, tensor_from_wire, tensor_to_wire
+from .wire import merge_ranks, plan_to_wire, tensor_from_wire, tensor_to_wire
 
 __all__ = ["VllmBackend", "check_engine_kwargs"]
 
@@ -368,19 +368,7 @@ class VllmBackend:
         if errors:
             raise RuntimeError(f"the interp_engine runtime failed for this request: {errors[0]}")
         if request.capture is not None:
-            request.capture.values = self._merge(request.plan, results)
-
-    def _merge(self, plan: Plan, results: list[dict]) -> dict[Address, torch.Tensor]:
-        """Rank 0's rows, with the slices of sharded points from every rank concatenated."""
-        by_rank = sorted((r for r in results if r.get("found")), key=lambda r: r["rank"])
-        values = {}
-        for address in plan.reads:
-            key = str(address)
-            parts = [tensor_from_wire(r["values"][key]) for r in by_rank if key in r.get("values", {})]
-            if not parts:
-                raise RuntimeError(f"no worker returned {address}")
-            values[address] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
-        return values
+            request.capture.values = merge_ranks(request.plan.reads, results)
 
     @staticmethod
     def _raw_steps(out, k: int | None) -> Iterator[RawStep]:

@@ -24,7 +24,7 @@ import numbers
 import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -275,3 +275,18 @@ def plan_from_args(extra_args: Mapping | None, graph=None, registry: VectorRegis
     if capture_path is not None and not isinstance(capture_path, str):
         raise _fail("capture_path must be a string")
     return WirePlan(plan_rid, tuple(dict.fromkeys(addresses)), ops, capture_path)
+
+
+def merge_ranks(reads: Sequence[Address], results: Sequence[Mapping]) -> dict[Address, torch.Tensor]:
+    """The rows of one request from the workers' ``interp_collect`` answers: rank 0's, with the
+    slices of points sharded across tensor-parallel ranks concatenated in rank order."""
+    by_rank = sorted((r for r in results if r.get("found")), key=lambda r: r.get("rank", 0))
+    values = {}
+    for address in reads:
+        key = str(address)
+        parts = [tensor_from_wire(r["values"][key]) for r in by_rank if key in r.get("values", {})]
+        if not parts:
+            raise RuntimeError(f"no worker returned {address}")
+        values[address] = parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+    return values
+
