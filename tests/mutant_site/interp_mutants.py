@@ -48,6 +48,9 @@ MUTANTS = {
     "format_drops_stream": "format_address forgets the stream",
     "parse_error_unnamed": "a bad address string raises without naming it",
     "refusal_dropped": "the vLLM backend refuses nothing",
+    "static_refused_unnamed": "load_model refuses vllm-static with a plain ValueError",
+    "lens_skips_norm": "the eager lens unembeds without the final norm",
+    "embed_scaled": "model.embed returns 1.5 x the input embeddings",
 }
 
 SIDED = {"add_noop", "ablate_identity", "set_ignores_positions", "add_scaled", "write_noop",
@@ -122,9 +125,18 @@ def _ops_wrappers(side: str):
 
 
 def _patch_eager(module) -> None:
+    import torch
+
     module.apply_write, module.select_rows = _ops_wrappers("eager")
     backend = module.EagerBackend
-    read_key = backend._read_key
+    read_key, decode = backend._read_key, backend.decode
+
+    def mutant_decode(self, resid):
+        if active("lens_skips_norm"):
+            with torch.set_grad_enabled(resid.requires_grad):
+                return self.module(self.spec.unembed_path)(resid.to(self.device, self.dtype))
+        return decode(self, resid)
+    backend.decode = mutant_decode
 
     def _read_key(self, address):
         if active("capture_wrong_layer", "eager"):
@@ -329,7 +341,27 @@ def _patch_address(module) -> None:
     module.format_address, module.parse_address = mutant_format, mutant_parse
 
 
+def _patch_model(module) -> None:
+    load_model = module.load_model
+
+    @functools.wraps(load_model)
+    def mutant_load_model(path, backend="eager", *args, **kwargs):
+        if backend == "vllm-static" and active("static_refused_unnamed"):
+            raise ValueError("this backend is not available")
+        return load_model(path, backend, *args, **kwargs)
+    module.load_model = mutant_load_model
+
+    embed = module.Model.embed
+
+    @functools.wraps(embed)
+    def mutant_embed(self, tokens):
+        out = embed(self, tokens)
+        return out * 1.5 if active("embed_scaled") else out
+    module.Model.embed = mutant_embed
+
+
 PATCHES = {
+    "interp_engine._model": _patch_model,
     "interp_engine._address": _patch_address,
     "interp_engine._plan": _patch_plan,
     "interp_engine._api": _patch_api,
