@@ -31,8 +31,10 @@ def vectors(d_model: int, rows: int | None = None):
 
 
 @st.composite
-def steer_specs(draw, model, max_ops: int = 3, max_pos: int = 24):
-    spec = SteerSpec()
+def steer_recipes(draw, model, max_ops: int = 3, max_pos: int = 24):
+    """What a caller builds a spec from: a list of ``(op, site, vector, scale, positions)``.
+    The vectors are the caller's own tensors (laws check that nothing edits them)."""
+    recipe = []
     for _ in range(draw(st.integers(1, max_ops))):
         site = draw(addresses(model, writable=True))
         op = draw(st.sampled_from(["add", "ablate", "set"]))
@@ -43,12 +45,28 @@ def steer_specs(draw, model, max_ops: int = 3, max_pos: int = 24):
             per_position = isinstance(positions, tuple) and draw(st.booleans())
             vec = draw(vectors(model.d_model, len(positions) if per_position else None))
             scale = draw(st.floats(-4.0, 4.0, allow_nan=False))
+            recipe.append(("add", site, vec, scale, positions))
+        elif op == "ablate":
+            recipe.append(("ablate", site, draw(vectors(model.d_model)), 1.0, positions))
+        else:
+            recipe.append(("set", site, draw(vectors(model.d_model)) * 3, 1.0, positions))
+    return recipe
+
+
+def build_spec(recipe) -> SteerSpec:
+    spec = SteerSpec()
+    for op, site, vec, scale, positions in recipe:
+        if op == "add":
             spec = spec | SteerSpec.add(site, vec, scale=scale, positions=positions)
         elif op == "ablate":
-            spec = spec | SteerSpec.ablate(site, draw(vectors(model.d_model)), positions=positions)
+            spec = spec | SteerSpec.ablate(site, vec, positions=positions)
         else:
-            spec = spec | SteerSpec.set(site, draw(vectors(model.d_model)) * 3, positions=positions)
+            spec = spec | SteerSpec.set(site, vec, positions=positions)
     return spec
+
+
+def steer_specs(model, max_ops: int = 3, max_pos: int = 24):
+    return steer_recipes(model, max_ops, max_pos).map(build_spec)
 
 
 def sampling(max_tokens: int = 8):

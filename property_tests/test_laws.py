@@ -12,13 +12,14 @@ import string
 
 import pytest
 import torch
-from hypothesis import assume, given, strategies as st
+from hypothesis import assume, example, given, strategies as st
 
 from interp_engine import (CAPABILITIES, POINTS, Address, CapabilityUnsupported, SteerSpec,
                            capture_generation, capture_plan, expert_assignment, format_address,
                            generate_stream, parse_address, run_with_cache, steer, steer_plan)
 from interp_engine.testing import assert_close_scaled
-from strategies import addresses, sampling, steer_specs, token_batches, token_ids, valid_address_strings
+from strategies import (addresses, build_spec, sampling, steer_recipes, steer_specs, token_batches,
+                        token_ids, valid_address_strings)
 
 EAGER_ARCHS = ("qwen3", "llama", "gemma2", "qwen3_moe", "deepseek_v4")
 VLLM_ARCHS = ("qwen3", "llama", "gemma2", "qwen3_moe")
@@ -137,34 +138,64 @@ def test_capture_never_changes_outputs(model_pool, arch, backend):
     law()
 
 
+def _observed(model, ids, n=4):
+    """What greedy generation shows of a model: each step's token and top-2 logprobs."""
+    return [(s.token_id, s.logprobs) for s in _greedy(model, ids, n)]
+
+
 @pytest.mark.parametrize("arch,backend", ALL_BACKENDS)
-def test_steering_at_scale_zero_is_the_identity(model_pool, arch, backend):
+def test_steering_at_scale_zero_is_the_identity_and_nonzero_steering_is_not(model_pool, arch, backend):
+    """Scale 0 changes nothing, bit for bit; the same op at scale 4 changes what generation
+    shows (so the first half cannot pass by steering doing nothing at all). Four greedy steps
+    feed positions 0..len(ids)+2, so every positions choice below selects a row."""
     model = _model(model_pool, arch, backend)
+    if not any(p.writable for p in model.points()):
+        pytest.skip("no steering sites")
 
     @given(ids=token_ids(model, max_size=12), site=addresses(model, writable=True), seed=st.integers(0, 999),
            positions=st.sampled_from(["all", "prompt", "generated", (0, 2)]))
     def law(ids, site, seed, positions):
         v = torch.randn(model.d_model, generator=torch.Generator().manual_seed(seed))
-        spec = SteerSpec.add(site, v, scale=0.0, positions=positions)
+        zero = SteerSpec.add(site, v, scale=0.0, positions=positions)
+        before = _observed(model, ids)
+        with steer(model, zero):
+            inside = _observed(model, ids)
+        assert inside == before, f"scale 0 at {site} {positions} changed generation"
         if backend == "eager":
-            before = _logits(model, ids)
-            with steer(model, spec):
-                inside = _logits(model, ids)
-            assert torch.equal(before, inside)
-        else:
-            before = _greedy(model, ids, 4)
-            with steer(model, spec):
-                inside = _greedy(model, ids, 4)
-            assert [(s.token_id, s.logprobs) for s in before] == [(s.token_id, s.logprobs) for s in inside]
+            plain = _logits(model, ids)
+            with steer(model, zero):
+                assert torch.equal(_logits(model, ids), plain)
+        with steer(model, SteerSpec.add(site, v, scale=4.0, positions=positions)):
+            steered = _observed(model, ids)
+        assert steered != before, f"adding 4 * v at {site} {positions} changed nothing"
     law()
+
+
+def _changes_a_forward(spec: SteerSpec, n: int) -> bool:
+    """Does ``spec`` write a row of a plain forward over ``n`` tokens (positions 0..n-1)?"""
+    for op in spec.ops:
+        if op.op == "add" and op.scale == 0.0:
+            continue
+        if op.positions in ("all", "prompt") or (isinstance(op.positions, tuple) and min(op.positions) < n):
+            return True
+    return False
 
 
 @pytest.mark.parametrize("arch", EAGER_ARCHS)
 def test_nested_blocks_equal_one_composed_spec_and_unsteer_restores(model_pool, arch):
+    """Nested blocks equal the composed spec, leaving them restores the model, and a spec that
+    writes a row of the forward changes the logits (so the law cannot pass with steering
+    that does nothing). The explicit example nests an add inside an ablate and a set."""
     model = model_pool.get(arch)
-    if not any(p.writable for p in model.points()):
+    sites = [Address(p.name, model.graph.layers_of(p.name)[0]) for p in model.points() if p.writable]
+    if not sites:
         pytest.skip("no steering sites")
+    g = torch.Generator().manual_seed(7)
+    u, v, w = (torch.randn(model.d_model, generator=g) for _ in range(3))
+    outer = SteerSpec.ablate(sites[0], u, positions="prompt") | SteerSpec.set(sites[-1], w, positions=(1,))
+    inner = SteerSpec.add(sites[0], v, scale=2.0)
 
+    @example(ids=[5, 6, 7, 8, 9], a=outer, b=inner)
     @given(ids=token_ids(model, max_size=12), a=steer_specs(model, max_ops=2), b=steer_specs(model, max_ops=2))
     def law(ids, a, b):
         before = _logits(model, ids)
@@ -176,6 +207,8 @@ def test_nested_blocks_equal_one_composed_spec_and_unsteer_restores(model_pool, 
         after = _logits(model, ids)
         assert torch.equal(nested, composed)
         assert torch.equal(before, after)
+        if _changes_a_forward(a | b, len(ids)):
+            assert not torch.equal(nested, before), "a spec that writes rows of the forward changed nothing"
     law()
 
 
@@ -203,6 +236,30 @@ def test_lens_at_the_last_layer_equals_the_logits(model_pool, arch):
         lens = model.decode_residuals(cache)[0]
         mask = tokens.attention_mask.bool()
         torch.testing.assert_close(lens[mask], torch.log_softmax(logits, -1)[mask], atol=1e-5, rtol=1e-5)
+    law()
+
+
+@needs_vllm
+@pytest.mark.vllm
+@pytest.mark.parametrize("arch", VLLM_ARCHS)
+def test_lens_at_the_last_layer_equals_the_logprobs_on_vllm(model_pool, arch):
+    """vLLM never ships logits out of its worker, so the law reads them as greedy logprobs: the
+    lens over the last layer's resid_post, captured while generating, gives at row
+    len(prompt) - 1 + i the logprobs step i reports, and those tokens are its top-k."""
+    model = model_pool.get(arch, "vllm", enable_prompt_embeds=True)
+    last = Address("resid_post", model.n_layers - 1)
+
+    @given(ids=token_ids(model, max_size=10), n=st.integers(1, 4))
+    def law(ids, n):
+        completion, cache = capture_generation(model, ids, [last], max_tokens=n, temperature=0.0, n_logprobs=2)
+        lens = model.decode_residuals(cache)[0, 0]  # [pos, d_vocab] log-probs
+        assert len(completion.logprobs) == len(completion.token_ids) == n
+        for i, top in enumerate(completion.logprobs):
+            row = lens[len(ids) - 1 + i]
+            kth = torch.topk(row, len(top)).values[-1]
+            for entry in top:
+                assert float(row[entry["token_id"]]) == pytest.approx(entry["logprob"], abs=1e-4), (i, entry)
+                assert entry["logprob"] >= float(kth) - 1e-4, f"step {i}: {entry} is not in the lens's top-{len(top)}"
     law()
 
 
@@ -266,45 +323,51 @@ def test_deltas_join_to_the_text_and_seeded_sampling_repeats(model_pool, arch, b
 
 # ---- pure-data laws -----------------------------------------------------------------------
 
-def _snapshot(spec: SteerSpec):
-    return [(op.address, op.op, op.vector.clone(), op.scale, op.positions) for op in spec.ops]
-
-
-def _same(a, b) -> bool:
-    return all(x[:2] == y[:2] and torch.equal(x[2], y[2]) and x[3:] == y[3:] for x, y in zip(a, b)) and len(a) == len(b)
-
-
 @pytest.mark.parametrize("arch", EAGER_ARCHS)
 def test_transforms_never_mutate_their_inputs(model_pool, arch):
+    """Nothing a caller hands in is edited: its token list and tensor, its list of points, its
+    steering vectors (by content, through building, planning, composing and a steered run), a
+    cache through ``.to``, the lens and expert_assignment. A spec keeps its own copy: editing
+    the caller's vectors afterwards leaves it equal to a spec built from the original values."""
     model = model_pool.get(arch)
+    writable = any(p.writable for p in model.points())
 
     @given(ids=token_ids(model), points=st.lists(addresses(model), min_size=1, max_size=4),
-           spec=steer_specs(model) if any(p.writable for p in model.points()) else st.just(SteerSpec()))
-    def law(ids, points, spec):
-        graph_before = model.graph
-        points_before = list(points)
-        spec_before = _snapshot(spec)
-        ids_before = list(ids)
+           recipe=steer_recipes(model) if writable else st.just([]))
+    def law(ids, points, recipe):
+        ids_before, points_before = list(ids), list(points)
+        tokens = torch.tensor([ids])
+        tokens_before = tokens.clone()
+        vectors_before = [r[2].clone() for r in recipe]
+        spec = build_spec(recipe)
         plan = capture_plan(model.graph, points) | steer_plan(model.graph, spec, model.dtype)
-        assert points == points_before and _same(_snapshot(spec), spec_before)
-        assert model.graph is graph_before and model.graph == graph_before
         combined = spec | spec
-        assert _same(_snapshot(spec), spec_before) and len(combined.ops) == 2 * len(spec.ops)
-        cache = run_with_cache(model, ids, points)
+        with steer(model, spec):
+            run_with_cache(model, tokens, points)
+        cache = run_with_cache(model, tokens, points)
         copies = {a: t.clone() for a, t in cache.items()}
         moved = cache.to("cpu")
         if model.residual_basis.lens_valid and any(a.name == "resid_post" for a in cache):
             model.decode_residuals(cache)
         for layer in model.graph.moe_layers[:1]:
-            c2 = run_with_cache(model, ids, [f"expert_indices.{layer}", f"expert_weights.{layer}"])
+            c2 = run_with_cache(model, tokens, [f"expert_indices.{layer}", f"expert_weights.{layer}"])
             kept = {a: t.clone() for a, t in c2.items()}
             expert_assignment(c2, layer, model.graph.n_experts)
             assert all(torch.equal(kept[a], c2[a]) for a in kept)
+        assert ids == ids_before and points == points_before and torch.equal(tokens, tokens_before)
+        assert all(torch.equal(r[2], v) for r, v in zip(recipe, vectors_before)), "a caller's vector changed"
         assert all(torch.equal(copies[a], cache[a]) for a in copies) and list(moved) == list(cache)
-        assert ids == ids_before and plan.reads == tuple(dict.fromkeys(model.graph.check_address(p) for p in points))
+        assert len(combined.ops) == 2 * len(spec.ops)
+        assert plan.reads == tuple(dict.fromkeys(model.graph.check_address(p) for p in points))
+        twin = build_spec([(op, site, v, scale, pos) for (op, site, _, scale, pos), v in zip(recipe, vectors_before)])
+        for r in recipe:
+            r[2].add_(1.0)  # the caller reuses its tensors
+        assert spec == twin and combined == twin | twin, "editing the caller's vectors changed the spec"
     law()
 
 
+@example(text="resid_streams.5.2")  # the page's own per-stream example
+@example(text="z.7")
 @given(text=valid_address_strings())
 def test_address_parse_format_round_trips(text):
     address = parse_address(text)
