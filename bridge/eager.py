@@ -241,6 +241,8 @@ class EagerBackend:
             raw = captures.sinks[self._read_key(address)]
             pieces = []
             for t, w in zip(raw, captures.windows):
+                if tap.split is not None:  # one part of a fused output (qkv_proj, gate_up_proj)
+                    t = tap.split.take(t, self.graph)
                 t = reshape_point(t, tap.post, self.graph, (b, w.length))
                 if address.name == "pattern" and t.shape[-1] < total:
                     # Keys are the most recent ones up to this window's end (a sliding-window

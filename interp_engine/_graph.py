@@ -126,13 +126,20 @@ class ModelGraph:
         dims = self.point(address.name).dims
         if address.stream is not None:
             dims = tuple(d for d in dims if d != "n_streams")
+        sizes = {"batch": batch, "pos": pos, "key_pos": pos}
+        return tuple(sizes[d] if d in sizes else self.dim_size(d) for d in dims)
+
+    def dim_size(self, dim: str) -> int:
+        """The size of a model dimension (not batch/pos) on this graph."""
         sizes = {
-            "batch": batch, "pos": pos, "key_pos": pos, "d_model": self.d_model,
-            "d_vocab": self.d_vocab, "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,
-            "d_head": self.d_head, "d_mlp": self.d_mlp or 0, "n_experts": self.n_experts,
-            "top_k": self.top_k, "n_streams": self.residual_basis.n_streams,
+            "d_model": self.d_model, "d_vocab": self.d_vocab, "n_heads": self.n_heads,
+            "n_kv_heads": self.n_kv_heads, "d_head": self.d_head, "d_mlp": self.d_mlp or 0,
+            "n_experts": self.n_experts, "top_k": self.top_k,
+            "n_streams": self.residual_basis.n_streams,
         }
-        return tuple(sizes[d] for d in dims)
+        if dim not in sizes:
+            raise ValueError(f"unknown model dimension {dim!r}; known: {', '.join(sizes)}")
+        return sizes[dim]
 
     def with_points(self, table: tuple[PointSpec, ...]) -> "ModelGraph":
         """This graph serving ``table``, less the points it has at no layer (the dense-MLP

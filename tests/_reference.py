@@ -119,7 +119,10 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
                 add(attn, put_out0(("attn_out", L)))
                 add(layer.post_attention_layernorm, put_in(("resid_mid", L)), pre=True)
                 add(layer.mlp, put(("mlp_out", L)))
-            if arch != "deepseek_v4":
+            if hasattr(attn, "qkv_proj"):  # Phi-3: one fused projection, q | k | v
+                add(attn.qkv_proj, put(("qkv_proj", L)))
+                add(attn.o_proj, put_in(("o_proj_in", L)), pre=True)
+            elif arch != "deepseek_v4":
                 add(attn.q_proj, put(("q_proj", L)))
                 add(attn.k_proj, put(("k_proj", L)))
                 add(attn.v_proj, put(("v_proj", L)))
@@ -127,6 +130,8 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
             if arch in ("qwen3_moe", "deepseek_v4"):
                 add(layer.mlp.gate, put_in(("gate_in", L)), pre=True)
                 add(layer.mlp.gate, put(("gate_out", L)))
+            elif hasattr(layer.mlp, "gate_up_proj"):  # Phi-3: gate | up fused
+                add(layer.mlp.gate_up_proj, put(("gate_up_proj", L)))
             else:
                 add(layer.mlp.gate_proj, put(("gate_proj", L)))
                 add(layer.mlp.up_proj, put(("up_proj", L)))
@@ -136,6 +141,17 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
     for L, layer in enumerate(hf.model.layers):
         for name in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"):
             ref[(name, L)] = got[(name, L)]
+        if ("qkv_proj", L) in got:  # cut the fused output at the widths of the HF weights
+            qkv = got[("qkv_proj", L)]
+            q_w = layer.self_attn.o_proj.weight.shape[1]  # n_heads * d_head
+            kv_w = (qkv.shape[-1] - q_w) // 2
+            got[("q_proj", L)] = qkv[..., :q_w]
+            got[("k_proj", L)] = qkv[..., q_w:q_w + kv_w]
+            got[("v_proj", L)] = qkv[..., q_w + kv_w:]
+        if ("gate_up_proj", L) in got:
+            d_mlp = layer.mlp.down_proj.weight.shape[1]
+            got[("gate_proj", L)] = got[("gate_up_proj", L)][..., :d_mlp]
+            got[("up_proj", L)] = got[("gate_up_proj", L)][..., d_mlp:]
         if arch != "deepseek_v4":
             attn = layer.self_attn
             q = got[("q_proj", L)].view(b, p, n_heads, d_head)
@@ -169,7 +185,7 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
                     assert torch.equal(ref[("expert_indices", L)], gate.tid2eid[ids].long())
             ref[("resid_streams", L)] = got[("resid_post", L)]
         else:
-            act = layer.mlp.act_fn
+            act = getattr(layer.mlp, "act_fn", None) or layer.mlp.activation_fn
             ref[("mlp_pre", L)] = got[("gate_proj", L)]
             ref[("mlp_act", L)] = act(got[("gate_proj", L)]) * got[("up_proj", L)]
     ref["logits"] = out.logits  # type: ignore[index]

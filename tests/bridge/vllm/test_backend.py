@@ -15,7 +15,7 @@ from interp_engine import (Address, CapabilityUnsupported, SteerSpec, capture_ge
                            generate_stream, load_model, run_with_cache, steer)
 from interp_engine.testing import assert_close_scaled, tiny_model
 
-VLLM_ARCHS = ("qwen3", "llama", "gemma2", "qwen3_moe")  # deepseek_v4 has no vLLM CPU path
+from interp_engine.testing import VLLM_ARCHS  # noqa: E402  (from the spec registry)
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                   reason="vllm not installed")]
 
