@@ -21,6 +21,16 @@ PROMPT = "The quick brown fox jumps over the lazy dog."
 PROMPTS = ("Paris is the capital of France, and Berlin is", "Hi there")
 
 
+def decoder_layers(hf: nn.Module) -> nn.ModuleList:
+    """The model's blocks, by its HF layout (``transformer.h`` on GPT-2, ``model.layers`` else)."""
+    return hf.transformer.h if hf.config.model_type == "gpt2" else hf.model.layers
+
+
+def final_norm(hf: nn.Module) -> nn.Module:
+    """The norm before the unembedding (``transformer.ln_f`` on GPT-2, ``model.norm`` else)."""
+    return hf.transformer.ln_f if hf.config.model_type == "gpt2" else hf.model.norm
+
+
 def hook_count(hf: nn.Module) -> int:
     """Every forward and forward-pre hook registered anywhere in the model."""
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in hf.modules())
@@ -82,6 +92,8 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
     ``(name, layer) -> tensor`` for every point but ``pattern`` (see ``reference_outputs``)."""
     hf = model.hf
     arch = model.graph.arch
+    if arch == "gpt2":
+        return _reference_gpt2(hf, ids, model.graph.n_heads)
     n_heads, n_kv, d_head = model.graph.n_heads, model.graph.n_kv_heads, model.graph.d_head
     got: dict[tuple[str, int], torch.Tensor] = {}
     b, p = ids.shape
@@ -189,6 +201,43 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
             ref[("mlp_pre", L)] = got[("gate_proj", L)]
             ref[("mlp_act", L)] = act(got[("gate_proj", L)]) * got[("up_proj", L)]
     ref["logits"] = out.logits  # type: ignore[index]
+    return ref
+
+
+def _reference_gpt2(hf, ids: torch.Tensor, n_heads: int) -> dict:
+    """GPT-2 from its modules: the block is recomputed by hand from ln_1 / attn / ln_2 / mlp
+    (LayerNorms with bias, Conv1D weights stored [in, out]) and checked against the block's
+    own output; q/k/v are c_attn's output cut into thirds."""
+    got: dict = {}
+    b, p = ids.shape
+    with _hooks() as add:
+        for L, block in enumerate(hf.transformer.h):
+            add(block, lambda m, a, k, L=L: got.__setitem__(("resid_pre", L), _first_input(a, k)), pre=True)
+            add(block, lambda m, a, o, L=L: got.__setitem__(("block_out", L), o))
+            add(block.attn.c_proj, lambda m, a, k, L=L: got.__setitem__(("z_in", L), _first_input(a, k)),
+                pre=True)
+        out = hf(input_ids=ids)
+    ref: dict = {}
+    for L, block in enumerate(hf.transformer.h):
+        x = got[("resid_pre", L)]
+        a_in = F.layer_norm(x, x.shape[-1:], block.ln_1.weight, block.ln_1.bias, block.ln_1.eps)
+        qkv = a_in @ block.attn.c_attn.weight + block.attn.c_attn.bias  # Conv1D: x W + b
+        d = qkv.shape[-1] // 3
+        for i, name in enumerate(("q", "k", "v")):
+            ref[(name, L)] = qkv[..., i * d:(i + 1) * d].reshape(b, p, n_heads, -1)
+        z = got[("z_in", L)]
+        ref[("z", L)] = z.reshape(b, p, n_heads, -1)
+        attn = z @ block.attn.c_proj.weight + block.attn.c_proj.bias
+        mid = x + attn
+        m_in = F.layer_norm(mid, mid.shape[-1:], block.ln_2.weight, block.ln_2.bias, block.ln_2.eps)
+        pre = m_in @ block.mlp.c_fc.weight + block.mlp.c_fc.bias
+        act = block.mlp.act(pre)
+        mlp = act @ block.mlp.c_proj.weight + block.mlp.c_proj.bias
+        torch.testing.assert_close(mid + mlp, got[("block_out", L)], rtol=1e-5, atol=1e-5)
+        ref.update({("resid_pre", L): x, ("attn_out", L): attn, ("resid_mid", L): mid,
+                    ("mlp_pre", L): pre, ("mlp_act", L): act, ("mlp_out", L): mlp,
+                    ("resid_post", L): got[("block_out", L)]})
+    ref["logits"] = out.logits
     return ref
 
 

@@ -316,7 +316,9 @@ class Runtime:
             args[0] = self._apply(work, "fused_in_sum", x, residual, lambda v: v + residual)
         if "module_in" in sources:
             first = args[0] if args else next(iter(kwargs.values()))
-            self._apply(work, "module_in", first, None, lambda v: v)
+            new = self._apply(work, "module_in", first, None, lambda v: v)
+            if new is not first:  # a write: edit the input in place, so that every holder of
+                first.copy_(new)  # it sees the write (GPT-2's block keeps ln_2's input as its residual)
         return tuple(args), kwargs
 
     def _run_post(self, site: _Site, out):
