@@ -41,10 +41,13 @@ class PointSpec:
 class Split:
     """One part of a fused output (``qkv_proj``, ``gate_up_proj``, ``c_attn``): the last dim
     holds ``parts`` side by side, each as wide as the product of its graph dims, and the point
-    is part ``index``. Declared in a spec's tap; the bridge applies it to the raw tensor."""
+    is part ``index``. With ``per`` (a graph dim, e.g. ``n_heads``) the last dim is that many
+    groups each laid out as ``parts`` (GPT-NeoX's per-head q | k | v), and the part is taken
+    from every group. Declared in a spec's tap; the bridge applies it to the raw tensor."""
 
     parts: tuple[tuple[str, ...], ...]
     index: int
+    per: str | None = None
 
     def __post_init__(self) -> None:
         parts = tuple(tuple(p) for p in self.parts)
@@ -65,7 +68,10 @@ class Split:
 
     def take(self, t, graph):
         start, stop = self.bounds(graph)
-        return t[..., start:stop]
+        if self.per is None:
+            return t[..., start:stop]
+        groups = t.unflatten(-1, (graph.dim_size(self.per), -1))
+        return groups[..., start:stop].flatten(-2)
 
 
 _R = ("batch", "pos", "d_model")

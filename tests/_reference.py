@@ -23,11 +23,15 @@ PROMPTS = ("Paris is the capital of France, and Berlin is", "Hi there")
 
 def decoder_layers(hf: nn.Module) -> nn.ModuleList:
     """The model's blocks, by its HF layout (``transformer.h`` on GPT-2, ``model.layers`` else)."""
+    if hf.config.model_type == "gpt_neox":
+        return hf.gpt_neox.layers
     return hf.transformer.h if hf.config.model_type == "gpt2" else hf.model.layers
 
 
 def final_norm(hf: nn.Module) -> nn.Module:
     """The norm before the unembedding (``transformer.ln_f`` on GPT-2, ``model.norm`` else)."""
+    if hf.config.model_type == "gpt_neox":
+        return hf.gpt_neox.final_layer_norm
     return hf.transformer.ln_f if hf.config.model_type == "gpt2" else hf.model.norm
 
 
@@ -94,6 +98,8 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
     arch = model.graph.arch
     if arch == "gpt2":
         return _reference_gpt2(hf, ids, model.graph.n_heads)
+    if arch == "gpt_neox":
+        return _reference_gpt_neox(hf, ids, model.graph.n_heads)
     n_heads, n_kv, d_head = model.graph.n_heads, model.graph.n_kv_heads, model.graph.d_head
     got: dict[tuple[str, int], torch.Tensor] = {}
     b, p = ids.shape
@@ -237,6 +243,42 @@ def _reference_gpt2(hf, ids: torch.Tensor, n_heads: int) -> dict:
         ref.update({("resid_pre", L): x, ("attn_out", L): attn, ("resid_mid", L): mid,
                     ("mlp_pre", L): pre, ("mlp_act", L): act, ("mlp_out", L): mlp,
                     ("resid_post", L): got[("block_out", L)]})
+    ref["logits"] = out.logits
+    return ref
+
+
+def _reference_gpt_neox(hf, ids: torch.Tensor, n_heads: int) -> dict:
+    """GPT-NeoX's parallel block by hand: attention and the MLP both read resid_pre through
+    their own LayerNorms; query_key_value is laid out per head as q | k | v."""
+    got: dict = {}
+    b, p = ids.shape
+    with _hooks() as add:
+        for L, block in enumerate(hf.gpt_neox.layers):
+            add(block, lambda m, a, k, L=L: got.__setitem__(("resid_pre", L), _first_input(a, k)), pre=True)
+            add(block, lambda m, a, o, L=L: got.__setitem__(("block_out", L), o))
+            add(block.attention.dense, lambda m, a, k, L=L: got.__setitem__(("z_in", L), _first_input(a, k)),
+                pre=True)
+        out = hf(input_ids=ids)
+    ref: dict = {}
+    for L, block in enumerate(hf.gpt_neox.layers):
+        x = got[("resid_pre", L)]
+        ln1, ln2 = block.input_layernorm, block.post_attention_layernorm
+        qkv_w = block.attention.query_key_value
+        qkv = F.linear(F.layer_norm(x, x.shape[-1:], ln1.weight, ln1.bias, ln1.eps), qkv_w.weight, qkv_w.bias)
+        per_head = qkv.reshape(b, p, n_heads, -1)  # [.., head, 3 * d_head]
+        d = per_head.shape[-1] // 3
+        for i, name in enumerate(("q", "k", "v")):
+            ref[(name, L)] = per_head[..., i * d:(i + 1) * d]
+        z = got[("z_in", L)]
+        ref[("z", L)] = z.reshape(b, p, n_heads, -1)
+        attn = F.linear(z, block.attention.dense.weight, block.attention.dense.bias)
+        mlp_in = F.layer_norm(x, x.shape[-1:], ln2.weight, ln2.bias, ln2.eps)  # reads x, not x + attn
+        pre = F.linear(mlp_in, block.mlp.dense_h_to_4h.weight, block.mlp.dense_h_to_4h.bias)
+        act = block.mlp.act(pre)
+        mlp = F.linear(act, block.mlp.dense_4h_to_h.weight, block.mlp.dense_4h_to_h.bias)
+        torch.testing.assert_close(x + attn + mlp, got[("block_out", L)], rtol=1e-5, atol=1e-5)
+        ref.update({("resid_pre", L): x, ("attn_out", L): attn, ("mlp_pre", L): pre,
+                    ("mlp_act", L): act, ("mlp_out", L): mlp, ("resid_post", L): got[("block_out", L)]})
     ref["logits"] = out.logits
     return ref
 
