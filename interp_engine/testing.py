@@ -11,15 +11,16 @@ them afterwards::
     tokenizer = AutoTokenizer.from_pretrained(path)
     llm = vllm.LLM(model=str(path), dtype="float32")  # vLLM loads it too
 
-``TINY_ARCHS`` lists the architectures: ``qwen3`` (``Qwen3ForCausalLM``),
-``llama`` (``LlamaForCausalLM``), ``gemma2`` (``Gemma2ForCausalLM``),
-``qwen3_moe`` (``Qwen3MoeForCausalLM``) and ``deepseek_v4``
-(``DeepseekV4ForCausalLM``).  Every architecture has the ``"tiny"`` variant
-(3 layers, hidden size 128, 4 query heads and fewer KV heads of size 32,
-float32); ``qwen3`` also has ``"bench"``, a random Qwen3 of about 26M
-parameters (hidden 512, 8 layers, 8 heads of 64) for benchmarks.
-``tiny_config(arch, variant)`` returns the configuration without building
-anything.
+``TINY_ARCHS`` lists the architectures, from the spec registry: every file
+under ``specs/`` whose ``SPEC`` carries a ``tiny`` recipe (``TinyRecipe``:
+config class and overrides, seed, weight tweaks, whether ``<bos>`` is
+prepended).  ``VLLM_ARCHS`` are those whose spec has a vLLM map and
+``MOE_ARCHS`` those with routed experts; ``TINY_VARIANTS`` maps each variant
+(``"tiny"``: 3 layers, hidden size 128, heads of 32, float32; ``"bench"``: a
+random Qwen3 of about 26M parameters for benchmarks) to its archs.
+``tiny_config(arch, variant)`` returns the configuration and
+``tiny_graph(arch, variant)`` the ``ModelGraph`` without building anything.
+Adding an architecture adds no line here.
 
 Each directory holds the real config and model classes' ``save_pretrained``
 output (safetensors, float32), a ``generation_config.json`` with greedy
@@ -27,11 +28,11 @@ defaults, and a byte-level BPE tokenizer of 512 tokens trained with the
 ``tokenizers`` library on a fixed built-in corpus (``decode(encode(s)) == s``
 for any text; rare multi-byte characters span several tokens).
 ``<|endoftext|>`` (id 0) is the EOS and padding token; ``<bos>`` (id 1) is
-prepended automatically for ``llama`` and ``gemma2`` only.
+prepended automatically where the recipe says so (``adds_bos``).
 
 Weights are the classes' own random initialization after ``torch.manual_seed``
 of a fixed per-recipe seed (the caller's RNG state is left untouched), with an
-``initializer_range`` of 0.1 (0.05 for ``bench``) so that greedy decoding does
+``initializer_range`` of 0.1 in most recipes so that greedy decoding does
 not sit on near-ties (top-1/top-2 logit margins are typically ~0.2).  Tensors
 that the classes initialize to a constant (norm weights; DeepSeek-V4's
 attention sinks, compressor position biases, hyper-connection bases/scales and
@@ -40,7 +41,8 @@ table (all zeros at init) gets distinct random experts per token, so a backend
 that ignores any of them does not match by accident.  ``gemma2`` ties its LM
 head to the embeddings, as the real model and vLLM's implementation do; to
 keep its greedy decoding from repeating the last token, its embedding is
-scaled by 0.2 and its post-sublayer and final norm gains are raised.  Note
+scaled by 0.2 and its post-sublayer and final norm gains are raised (GPT-2,
+also tied, scales its token embedding by 0.1).  Note
 that transformers' default ``sdpa`` attention silently drops Gemma2's
 ``attn_logit_softcapping``; load it with ``attn_implementation="eager"`` to
 match vLLM (which applies it) beyond ~1e-2.
