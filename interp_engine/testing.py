@@ -106,7 +106,7 @@ CACHE_ENV_VAR = "INTERP_ENGINE_CACHE"
 # recipe is a tiny-model arch, with no line to add here.
 TINY_VARIANTS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     variant: tuple(arch for arch, spec in SPECS.items() if variant in spec.tiny)
-    for variant in sorted({v for spec in SPECS.values() for v in spec.tiny}, key=lambda v: v != "tiny")
+    for variant in sorted({v for spec in SPECS.values() for v in spec.tiny}, key=lambda v: (v != "tiny", v))
 })
 TINY_ARCHS: tuple[str, ...] = TINY_VARIANTS.get("tiny", ())
 """Architectures with a tiny model, from the spec registry (``specs.SPECS``)."""

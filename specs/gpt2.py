@@ -30,6 +30,9 @@ SPEC = ArchSpec(
             "n_positions": 512, "activation_function": "gelu_new", "tie_word_embeddings": True,
             "initializer_range": 0.12,
         }, embedding_scale=0.1),  # tied embeddings: a smaller own-token echo, so greedy varies
+        # GPT-2 small's shape (GPT2Config() defaults, 124M parameters) with random weights, for
+        # benchmarks at a realistic size; its vocabulary is larger than the test tokenizer's.
+        "full": TinyRecipe("GPT2Config", seed=18, config={}),
     },
     graph_from_config=_graph,
     eager={

@@ -32,7 +32,13 @@ SPEC = ArchSpec(
         "vocab_size": 512, "hidden_size": 128, "num_hidden_layers": 3, "num_attention_heads": 4,
         "intermediate_size": 256, "max_position_embeddings": 512, "rotary_pct": 0.25,
         "use_parallel_residual": True, "tie_word_embeddings": False, "initializer_range": 0.1,
-    })},
+    }),
+        # Pythia-160M's shape with random weights, for benchmarks at a realistic size.
+        "full": TinyRecipe("GPTNeoXConfig", seed=19, config={
+            "vocab_size": 50304, "hidden_size": 768, "num_hidden_layers": 12,
+            "num_attention_heads": 12, "intermediate_size": 3072, "max_position_embeddings": 2048,
+            "rotary_pct": 0.25, "use_parallel_residual": True, "tie_word_embeddings": False,
+        })},
     graph_from_config=_graph,
     eager={
         "resid_pre": Tap(L_, "in"),

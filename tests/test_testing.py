@@ -272,3 +272,15 @@ def test_a_new_spec_file_is_all_it_takes(tmp_path: pathlib.Path, monkeypatch) ->
     found = specs._discover()
     assert "toy" in found and set(found) == set(SPECS) | {"toy"}
     assert found["toy"].tiny == SPECS["llama"].tiny
+
+
+@pytest.mark.parametrize(("arch", "low", "high"), [("gpt2", 120e6, 130e6), ("gpt_neox", 155e6, 170e6)])
+def test_full_size_configs(arch: str, low: float, high: float) -> None:
+    """GPT-2 small (124M) and Pythia-160M shapes with random weights, for benchmarks."""
+    config = tiny_config(arch, "full")
+    assert config.dtype == torch.float32
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    parameters = sum(p.numel() for p in model.parameters())
+    assert low <= parameters <= high, parameters
+    assert tiny_graph(arch, "full").n_layers == 12
