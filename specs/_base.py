@@ -104,6 +104,9 @@ class ArchSpec:
     vllm_final_norm_path: str = "model.norm"
     vllm_unembed_path: str = "lm_head"
     vllm_note: str = ""
+    # vLLM's ``model_impl`` for this architecture: "" (vLLM's native model) or "transformers"
+    # (vLLM's Transformers backend, which runs the HF modules inside vLLM).
+    vllm_model_impl: str = ""
     # Why this architecture must run the eager attention kernel on the eager backend (a feature
     # the fast SDPA kernel lacks), or "" when the fast default is exact.
     eager_attention_only: str = ""
@@ -220,4 +223,25 @@ def merged(base: Mapping, **changes) -> Mapping:
             out.pop(key, None)
         else:
             out[key] = value
+    return MappingProxyType(out)
+
+
+_TRANSFORMERS_SOURCES = {"in": "module_in", "out": "module_out", "out0": "module_out"}
+
+
+def transformers_backend_taps(eager: Mapping[str, Tap], hf_root: str,
+                              vllm_root: str = "model") -> Mapping[str, VllmTap]:
+    """The vLLM map of an architecture that vLLM runs through its Transformers backend
+    (``model_impl="transformers"``): the same HF modules, under ``vllm_root`` instead of the
+    HF ``*ForCausalLM``'s ``hf_root``, read at their inputs and outputs. Derived from the eager
+    map for every point vLLM can serve; fused-split taps stay eager-only."""
+    out = {}
+    for name, tap in eager.items():
+        point = POINTS[name]
+        if not point.vllm or tap.split is not None or tap.how not in _TRANSFORMERS_SOURCES:
+            continue
+        if not tap.path.startswith(hf_root + "."):
+            raise ValueError(f"eager tap {name!r} ({tap.path}) is not under {hf_root!r}")
+        path = vllm_root + tap.path[len(hf_root):]
+        out[name] = VllmTap(_TRANSFORMERS_SOURCES[tap.how], path, tap.post, sharded=name == "z")
     return MappingProxyType(out)

@@ -38,7 +38,7 @@ def _served_points(model):
 def test_every_served_point_equals_eager(pair):
     eager, vllm = pair
     points = _served_points(vllm)
-    assert {a.name for a in points} >= {"resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "z"}
+    assert {a.name for a in points} >= {"resid_pre", _mid(eager), "resid_post", "attn_out", "mlp_out", "z"}
     for prompt in PROMPTS:
         tokens = eager.to_tokens(prompt)
         ce, cv = run_with_cache(eager, tokens, points), run_with_cache(vllm, tokens, points)
@@ -62,6 +62,11 @@ def test_greedy_tokens_and_logprobs_equal(pair):
             assert b.logprob == pytest.approx(a.logprob, abs=1e-5)
 
 
+def _mid(model):
+    """resid_mid, or attn_out on a parallel block (GPT-NeoX), where resid_mid has no meaning."""
+    return "attn_out" if model.residual_basis.parallel_block else "resid_mid"
+
+
 def _specs(model):
     g = torch.Generator().manual_seed(3)
     d, last = model.d_model, model.n_layers - 1
@@ -70,7 +75,7 @@ def _specs(model):
     return {
         "add_resid_post": SteerSpec.add("resid_post.1", v, scale=3.0),
         "add_last_layer": SteerSpec.add(f"resid_post.{last}", v, scale=2.0),
-        "ablate_mid_set_pre": SteerSpec.ablate("resid_mid.1", u) | SteerSpec.set("resid_pre.2", v * 2, positions=[3]),
+        "ablate_mid_set_pre": SteerSpec.ablate(f"{_mid(model)}.1", u) | SteerSpec.set("resid_pre.2", v * 2, positions=[3]),
         "attn_mlp_prompt_generated": SteerSpec.add("attn_out.0", v, scale=4.0, positions="prompt")
         | SteerSpec.add("mlp_out.2", u, scale=4.0, positions="generated"),
         "per_position": SteerSpec.add("resid_pre.0", torch.stack([v, u]) * 3, positions=[1, 4]),
@@ -99,7 +104,7 @@ def test_steered_generation_equals_eager(pair):
 def test_steered_capture_equals_eager(pair):
     eager, vllm = pair
     tokens = eager.to_tokens(PROMPTS[1])
-    points = [Address(n, layer) for n in ("resid_mid", "resid_post", "attn_out") for layer in range(eager.n_layers)]
+    points = [Address(n, layer) for n in {_mid(eager), "resid_post", "attn_out"} for layer in range(eager.n_layers)]
     for name, spec in _specs(eager).items():
         with steer(eager, spec):
             ce = run_with_cache(eager, tokens, points)
