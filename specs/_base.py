@@ -111,6 +111,12 @@ class ArchSpec:
     # the fast SDPA kernel lacks), or "" when the fast default is exact.
     eager_attention_only: str = ""
 
+    def __post_init__(self) -> None:
+        for name, tap in self.eager.items():
+            if tap.split is not None and POINTS[name].writable:
+                raise ValueError(f"{self.arch}: point {name!r} is writable, so its tap cannot read "
+                                 "one part of a fused output (a write would have nowhere to go)")
+
     @property
     def vllm_served(self) -> bool:
         """Whether vLLM runs this architecture (its vLLM map is not empty)."""

@@ -49,3 +49,14 @@ def test_fused_parts_equal_the_hf_modules_and_differ_from_each_other(eager_model
         hf_mlp = model.hf.model.layers[L].mlp
         up = ref[("mlp_act", L)] / hf_mlp.activation_fn(cache.get("mlp_pre", L))
         assert not torch.allclose(up, cache.get("mlp_pre", L), atol=1e-3)
+
+
+def test_a_split_tap_on_a_writable_point_is_refused():
+    import dataclasses
+
+    from specs._base import QKV_PARTS, Tap
+
+    phi3 = SPECS["phi3"]
+    bad = {**phi3.eager, "attn_out": Tap(phi3.eager["q"].path, "out", None, Split(QKV_PARTS, 0))}
+    with pytest.raises(ValueError, match="'attn_out' is writable"):
+        dataclasses.replace(phi3, eager=bad)
