@@ -17,6 +17,7 @@ from typing import AsyncIterator, Iterator
 
 import torch
 from torch import nn
+from transformers.pytorch_utils import Conv1D
 
 from interp_engine._address import Address
 from interp_engine._backend import RawStep
@@ -241,6 +242,8 @@ class EagerBackend:
             raw = captures.sinks[self._read_key(address)]
             pieces = []
             for t, w in zip(raw, captures.windows):
+                if tap.split is not None:  # one part of a fused output (qkv_proj, gate_up_proj)
+                    t = tap.split.take(t, self.graph)
                 t = reshape_point(t, tap.post, self.graph, (b, w.length))
                 if address.name == "pattern" and t.shape[-1] < total:
                     # Keys are the most recent ones up to this window's end (a sliding-window
@@ -329,7 +332,8 @@ class EagerBackend:
 
     def head_contributions(self, layer: int, z: torch.Tensor) -> torch.Tensor:
         """``z`` ``[batch, pos, n_heads, d_head]`` through each head's slice of o_proj."""
-        weight = self.module(self._tap("z").module_path(layer)).weight
+        proj = self.module(self._tap("z").module_path(layer))
+        weight = proj.weight.T if isinstance(proj, Conv1D) else proj.weight  # Conv1D: [in, out]
         w = weight.reshape(weight.shape[0], self.graph.n_heads, self.graph.d_head)
         with torch.set_grad_enabled(z.requires_grad):
             return torch.einsum("bphd,mhd->bphm", z.to(weight.device, weight.dtype), w)

@@ -25,6 +25,7 @@ from ._plan import Plan, SteerOp, SteerSpec, capture_plan, steer_plan
 from ._points import POINTS, PointSpec
 from ._sampling import SAMPLING_FIELDS, SamplingConfig, top_logprobs
 from ._shapes import DIMS, ShapeError
+from ._tl import TL_HOOKS, from_tl
 from ._tokens import TokenBatch
 
 __all__ = [
@@ -32,7 +33,7 @@ __all__ = [
     "GenStep", "GradSupport", "Model", "ModelGraph", "ModelNotFound", "POINTS", "Plan",
     "PointSpec", "ResidualBasis", "SamplingConfig", "SteerOp", "SteerSpec", "TokenBatch",
     "Tokenizer", "active_steering", "capture_generation", "capture_plan", "decode_residuals",
-    "expert_assignment", "format_address", "generate_stream", "head_contributions",
+    "expert_assignment", "format_address", "from_tl", "TL_HOOKS", "generate_stream", "head_contributions",
     "load_model", "parse_address", "run_with_cache", "steer", "steer_plan", "to_address",
     "top_logprobs",
 ]

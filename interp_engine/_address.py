@@ -90,6 +90,9 @@ def parse_address(text: str) -> Address:
     if not isinstance(text, str):
         raise TypeError(f"parse_address takes a str, got {text!r}")
     match = _ADDRESS_RE.match(text)
+    if match is None and (text.startswith("blocks.") or text.startswith("hook_")):
+        raise ValueError(f"cannot parse address {text!r}: it looks like a TransformerLens hook "
+                         f"name; use interp_engine.from_tl({text!r})")
     if match is None:
         raise ValueError(
             f"cannot parse address {text!r}: expected 'name.layer' or 'name.layer.stream' "

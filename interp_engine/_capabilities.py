@@ -32,7 +32,7 @@ class CapabilityUnsupported(RuntimeError):
         self.why = why if why is not None else (entry.why if entry else "not supported")
         self.instead = instead if instead is not None else (entry.instead if entry else "")
         self.detail = detail
-        if entry is not None and entry.served_by(backend):  # the model, not the backend, lacks it
+        if entry is not None and (entry.served_by(backend) or backend == "any"):  # the model lacks it
             message = f"{capability} does not apply to this model (backend {backend!r})"
         else:
             message = f"{capability} is not supported on backend {backend!r}"
@@ -64,6 +64,11 @@ CAPABILITIES = MappingProxyType(
                "vLLM runs under inference mode with fused kernels that have no backward",
                "load_model(..., backend='eager', requires_grad=True) and run_with_cache(..., detach=False)",
                _EAGER),
+            _c("sequential_block",
+               "in a parallel block (GPT-NeoX, Pythia) attention and the MLP both read resid_pre "
+               "and their outputs are added together, so no residual stream lies between them",
+               "capture resid_pre, attn_out and mlp_out (resid_post = resid_pre + attn_out + "
+               "mlp_out)", _ALL),
             _c("attention_internals",
                "vLLM's attention kernel consumes q, k and v inside one fused call and never "
                "materialises them per head before rotary embedding",

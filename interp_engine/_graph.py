@@ -10,6 +10,7 @@ from dataclasses import dataclass, field, replace
 from functools import cached_property
 
 from ._address import Address, AddressLike, to_address
+from ._capabilities import CapabilityUnsupported
 from ._points import POINTS, PointSpec
 
 __all__ = ["GradSupport", "ModelGraph", "ResidualBasis"]
@@ -23,11 +24,15 @@ class ResidualBasis:
     additive: bool
     lens_valid: bool
     note: str = ""
+    parallel_block: bool = False  # attention and MLP read the same input: no resid_mid
 
     def describe(self) -> str:
         if self.n_streams == 1:
             text = ("one additive residual stream: resid_post.L = resid_pre.L + attn_out.L + "
                     "mlp_out.L, read by the final norm and unembedding")
+            if self.parallel_block:
+                text += ("; parallel blocks: attention and the MLP both read resid_pre, so "
+                         "resid_mid has no meaning and is refused (capability sequential_block)")
         else:
             text = (f"{self.n_streams} parallel residual streams mixed by learned hyper-connections; "
                     "resid_* name the [n_streams, d_model] stack, which no sublayer reads directly")
@@ -89,6 +94,8 @@ class ModelGraph:
             return spec
         known = POINTS.get(name)
         valid = ", ".join(p.name for p in self.point_table)
+        if name == "resid_mid" and self.residual_basis.parallel_block:
+            raise CapabilityUnsupported("sequential_block", "any", detail=f"resid_mid on this {self.arch} model")
         if known is None:
             raise ValueError(f"unknown point name {name!r}; points on this {self.arch} model: {valid}")
         raise ValueError(
@@ -126,13 +133,20 @@ class ModelGraph:
         dims = self.point(address.name).dims
         if address.stream is not None:
             dims = tuple(d for d in dims if d != "n_streams")
+        sizes = {"batch": batch, "pos": pos, "key_pos": pos}
+        return tuple(sizes[d] if d in sizes else self.dim_size(d) for d in dims)
+
+    def dim_size(self, dim: str) -> int:
+        """The size of a model dimension (not batch/pos) on this graph."""
         sizes = {
-            "batch": batch, "pos": pos, "key_pos": pos, "d_model": self.d_model,
-            "d_vocab": self.d_vocab, "n_heads": self.n_heads, "n_kv_heads": self.n_kv_heads,
-            "d_head": self.d_head, "d_mlp": self.d_mlp or 0, "n_experts": self.n_experts,
-            "top_k": self.top_k, "n_streams": self.residual_basis.n_streams,
+            "d_model": self.d_model, "d_vocab": self.d_vocab, "n_heads": self.n_heads,
+            "n_kv_heads": self.n_kv_heads, "d_head": self.d_head, "d_mlp": self.d_mlp or 0,
+            "n_experts": self.n_experts, "top_k": self.top_k,
+            "n_streams": self.residual_basis.n_streams,
         }
-        return tuple(sizes[d] for d in dims)
+        if dim not in sizes:
+            raise ValueError(f"unknown model dimension {dim!r}; known: {', '.join(sizes)}")
+        return sizes[dim]
 
     def with_points(self, table: tuple[PointSpec, ...]) -> "ModelGraph":
         """This graph serving ``table``, less the points it has at no layer (the dense-MLP

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from types import MappingProxyType
 
-__all__ = ["POINTS", "PointSpec", "BACKENDS"]
+__all__ = ["POINTS", "PointSpec", "BACKENDS", "Split"]
 
 BACKENDS = ("eager", "vllm", "vllm-static")
 
@@ -35,6 +35,43 @@ class PointSpec:
 
     def with_backends(self, **flags: object) -> "PointSpec":
         return replace(self, **flags)
+
+
+@dataclass(frozen=True)
+class Split:
+    """One part of a fused output (``qkv_proj``, ``gate_up_proj``, ``c_attn``): the last dim
+    holds ``parts`` side by side, each as wide as the product of its graph dims, and the point
+    is part ``index``. With ``per`` (a graph dim, e.g. ``n_heads``) the last dim is that many
+    groups each laid out as ``parts`` (GPT-NeoX's per-head q | k | v), and the part is taken
+    from every group. Declared in a spec's tap; the bridge applies it to the raw tensor."""
+
+    parts: tuple[tuple[str, ...], ...]
+    index: int
+    per: str | None = None
+
+    def __post_init__(self) -> None:
+        parts = tuple(tuple(p) for p in self.parts)
+        object.__setattr__(self, "parts", parts)
+        if not 0 <= self.index < len(parts):
+            raise ValueError(f"Split index {self.index} out of range for {len(parts)} parts")
+
+    def bounds(self, graph) -> tuple[int, int]:
+        """(start, stop) of the part along the last dim, for ``graph``'s sizes."""
+        widths = []
+        for dims in self.parts:
+            width = 1
+            for dim in dims:
+                width *= graph.dim_size(dim)
+            widths.append(width)
+        start = sum(widths[: self.index])
+        return start, start + widths[self.index]
+
+    def take(self, t, graph):
+        start, stop = self.bounds(graph)
+        if self.per is None:
+            return t[..., start:stop]
+        groups = t.unflatten(-1, (graph.dim_size(self.per), -1))
+        return groups[..., start:stop].flatten(-2)
 
 
 _R = ("batch", "pos", "d_model")

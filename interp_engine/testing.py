@@ -11,15 +11,16 @@ them afterwards::
     tokenizer = AutoTokenizer.from_pretrained(path)
     llm = vllm.LLM(model=str(path), dtype="float32")  # vLLM loads it too
 
-``TINY_ARCHS`` lists the architectures: ``qwen3`` (``Qwen3ForCausalLM``),
-``llama`` (``LlamaForCausalLM``), ``gemma2`` (``Gemma2ForCausalLM``),
-``qwen3_moe`` (``Qwen3MoeForCausalLM``) and ``deepseek_v4``
-(``DeepseekV4ForCausalLM``).  Every architecture has the ``"tiny"`` variant
-(3 layers, hidden size 128, 4 query heads and fewer KV heads of size 32,
-float32); ``qwen3`` also has ``"bench"``, a random Qwen3 of about 26M
-parameters (hidden 512, 8 layers, 8 heads of 64) for benchmarks.
-``tiny_config(arch, variant)`` returns the configuration without building
-anything.
+``TINY_ARCHS`` lists the architectures, from the spec registry: every file
+under ``specs/`` whose ``SPEC`` carries a ``tiny`` recipe (``TinyRecipe``:
+config class and overrides, seed, weight tweaks, whether ``<bos>`` is
+prepended).  ``VLLM_ARCHS`` are those whose spec has a vLLM map and
+``MOE_ARCHS`` those with routed experts; ``TINY_VARIANTS`` maps each variant
+(``"tiny"``: 3 layers, hidden size 128, heads of 32, float32; ``"bench"``: a
+random Qwen3 of about 26M parameters for benchmarks) to its archs.
+``tiny_config(arch, variant)`` returns the configuration and
+``tiny_graph(arch, variant)`` the ``ModelGraph`` without building anything.
+Adding an architecture adds no line here.
 
 Each directory holds the real config and model classes' ``save_pretrained``
 output (safetensors, float32), a ``generation_config.json`` with greedy
@@ -27,11 +28,11 @@ defaults, and a byte-level BPE tokenizer of 512 tokens trained with the
 ``tokenizers`` library on a fixed built-in corpus (``decode(encode(s)) == s``
 for any text; rare multi-byte characters span several tokens).
 ``<|endoftext|>`` (id 0) is the EOS and padding token; ``<bos>`` (id 1) is
-prepended automatically for ``llama`` and ``gemma2`` only.
+prepended automatically where the recipe says so (``adds_bos``).
 
 Weights are the classes' own random initialization after ``torch.manual_seed``
 of a fixed per-recipe seed (the caller's RNG state is left untouched), with an
-``initializer_range`` of 0.1 (0.05 for ``bench``) so that greedy decoding does
+``initializer_range`` of 0.1 in most recipes so that greedy decoding does
 not sit on near-ties (top-1/top-2 logit margins are typically ~0.2).  Tensors
 that the classes initialize to a constant (norm weights; DeepSeek-V4's
 attention sinks, compressor position biases, hyper-connection bases/scales and
@@ -40,7 +41,8 @@ table (all zeros at init) gets distinct random experts per token, so a backend
 that ignores any of them does not match by accident.  ``gemma2`` ties its LM
 head to the embeddings, as the real model and vLLM's implementation do; to
 keep its greedy decoding from repeating the last token, its embedding is
-scaled by 0.2 and its post-sublayer and final norm gains are raised.  Note
+scaled by 0.2 and its post-sublayer and final norm gains are raised (GPT-2,
+also tied, scales its token embedding by 0.1).  Note
 that transformers' default ``sdpa`` attention silently drops Gemma2's
 ``attn_logit_softcapping``; load it with ``attn_implementation="eager"`` to
 match vLLM (which applies it) beyond ~1e-2.
@@ -74,6 +76,7 @@ from typing import Any
 
 import torch
 import transformers
+from specs import SPECS
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 __all__ = [
@@ -83,11 +86,14 @@ __all__ = [
     "EOS_TOKEN",
     "EOS_TOKEN_ID",
     "FORMAT_VERSION",
+    "MOE_ARCHS",
     "TINY_ARCHS",
     "TINY_VARIANTS",
+    "VLLM_ARCHS",
     "TOKENIZER_VOCAB_SIZE",
     "default_root",
     "tiny_config",
+    "tiny_graph",
     "tiny_model",
 ]
 
@@ -96,12 +102,16 @@ FORMAT_VERSION = 1
 
 CACHE_ENV_VAR = "INTERP_ENGINE_CACHE"
 
-TINY_ARCHS: tuple[str, ...] = ("qwen3", "llama", "gemma2", "qwen3_moe", "deepseek_v4")
+# Every list here derives from the spec registry: a spec file under specs/ with a ``tiny``
+# recipe is a tiny-model arch, with no line to add here.
 TINY_VARIANTS: Mapping[str, tuple[str, ...]] = MappingProxyType({
-    "tiny": TINY_ARCHS,
-    "bench": ("qwen3",),
+    variant: tuple(arch for arch, spec in SPECS.items() if variant in spec.tiny)
+    for variant in sorted({v for spec in SPECS.values() for v in spec.tiny}, key=lambda v: (v != "tiny", v))
 })
-
+TINY_ARCHS: tuple[str, ...] = TINY_VARIANTS.get("tiny", ())
+"""Architectures with a tiny model, from the spec registry (``specs.SPECS``)."""
+VLLM_ARCHS: tuple[str, ...] = tuple(a for a in TINY_ARCHS if SPECS[a].vllm_served)
+"""Tiny architectures that vLLM serves (their spec has a vLLM map)."""
 TOKENIZER_VOCAB_SIZE = 512
 EOS_TOKEN = "<|endoftext|>"
 BOS_TOKEN = "<bos>"
@@ -119,7 +129,8 @@ _CONSTANT_JITTER = 0.2
 
 @dataclasses.dataclass(frozen=True)
 class _Recipe:
-    """Everything that determines one model directory's contents."""
+    """Everything that determines one model directory's contents: a spec's ``TinyRecipe`` for
+    one (arch, variant)."""
 
     arch: str
     variant: str
@@ -133,115 +144,10 @@ class _Recipe:
     """Multiplies the input embedding matrix after initialization."""
 
 
-def _recipe(arch: str, variant: str, config_class: str, seed: int, adds_bos: bool,
-            config: Mapping[str, Any], *, norm_offsets: Mapping[str, float] | None = None,
-            embedding_scale: float = 1.0) -> _Recipe:
-    return _Recipe(arch, variant, config_class, seed, adds_bos, MappingProxyType(dict(config)),
-                   MappingProxyType(dict(norm_offsets or {})), embedding_scale)
-
-
-_TINY_SHAPE: Mapping[str, Any] = MappingProxyType({
-    "vocab_size": TOKENIZER_VOCAB_SIZE,
-    "hidden_size": 128,
-    "num_hidden_layers": 3,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "head_dim": 32,
-    "intermediate_size": 256,
-    "max_position_embeddings": 512,
-    "tie_word_embeddings": False,
-    "initializer_range": 0.1,
-})
-
 _RECIPES: Mapping[tuple[str, str], _Recipe] = MappingProxyType({
-    (r.arch, r.variant): r
-    for r in (
-        _recipe("qwen3", "tiny", "Qwen3Config", 1, False, _TINY_SHAPE),
-        _recipe("llama", "tiny", "LlamaConfig", 2, True, _TINY_SHAPE),
-        _recipe(
-            "gemma2", "tiny", "Gemma2Config", 3, True,
-            {
-                **_TINY_SHAPE,
-                # Real Gemma2 ties the LM head to the embeddings; vLLM's Gemma2 has no lm_head.
-                "tie_word_embeddings": True,
-                "hidden_activation": "gelu_pytorch_tanh",
-                "query_pre_attn_scalar": 32,
-                "sliding_window": 32,
-                "layer_types": ("sliding_attention", "full_attention", "sliding_attention"),
-                "attn_logit_softcapping": 50.0,
-                "final_logit_softcapping": 30.0,
-            },
-            # With tied, sqrt(hidden)-scaled embeddings, a token's own embedding dominates the
-            # residual stream at random init and greedy decoding mostly repeats the last token.
-            # A smaller embedding, larger post-sublayer gains (Gemma norms scale by 1 + weight)
-            # and a larger final-norm gain (to keep logit margins) make decoding vary.
-            # (Gains of 5 keep the residual stream's RMS near 10, float32 error near 1e-5.)
-            norm_offsets={"post_attention_layernorm.weight": 4.0,
-                          "post_feedforward_layernorm.weight": 4.0,
-                          "model.norm.weight": 3.0},
-            embedding_scale=0.2,
-        ),
-        _recipe(
-            "qwen3_moe", "tiny", "Qwen3MoeConfig", 4, False,
-            {
-                **_TINY_SHAPE,
-                "num_experts": 8,
-                "num_experts_per_tok": 2,
-                "moe_intermediate_size": 64,
-                "decoder_sparse_step": 1,
-                "mlp_only_layers": (),
-                "norm_topk_prob": True,
-            },
-        ),
-        _recipe(
-            "deepseek_v4", "tiny", "DeepseekV4Config", 5, False,
-            {
-                "vocab_size": TOKENIZER_VOCAB_SIZE,
-                "hidden_size": 128,
-                "num_hidden_layers": 3,
-                "num_attention_heads": 4,
-                "num_key_value_heads": 1,
-                "head_dim": 32,
-                "q_lora_rank": 64,
-                "n_routed_experts": 8,
-                "n_shared_experts": 1,
-                "num_experts_per_tok": 2,
-                "moe_intermediate_size": 64,
-                "layer_types": (
-                    "compressed_sparse_attention",
-                    "heavily_compressed_attention",
-                    "compressed_sparse_attention",
-                ),
-                "o_groups": 2,
-                "o_lora_rank": 64,
-                "index_n_heads": 4,
-                "index_head_dim": 32,
-                "index_topk": 16,
-                "mlp_layer_types": ("hash_moe", "moe", "moe"),
-                "sliding_window": 16,
-                "num_nextn_predict_layers": 0,
-                "hc_mult": 4,
-                "max_position_embeddings": 512,
-                "tie_word_embeddings": False,
-                "initializer_range": 0.1,
-            },
-        ),
-        _recipe(
-            "qwen3", "bench", "Qwen3Config", 11, False,
-            {
-                "vocab_size": TOKENIZER_VOCAB_SIZE,
-                "hidden_size": 512,
-                "num_hidden_layers": 8,
-                "num_attention_heads": 8,
-                "num_key_value_heads": 4,
-                "head_dim": 64,
-                "intermediate_size": 1536,
-                "max_position_embeddings": 2048,
-                "tie_word_embeddings": False,
-                "initializer_range": 0.05,
-            },
-        ),
-    )
+    (arch, variant): _Recipe(arch, variant, r.config_class, r.seed, r.adds_bos, r.config,
+                             r.norm_offsets, r.embedding_scale)
+    for arch, spec in SPECS.items() for variant, r in spec.tiny.items()
 })
 
 
@@ -272,6 +178,15 @@ def tiny_config(arch: str, variant: str = "tiny") -> transformers.PretrainedConf
     )
     config.dtype = torch.float32
     return config
+
+
+def tiny_graph(arch: str, variant: str = "tiny"):
+    """The ``ModelGraph`` of ``tiny_model(arch, variant)``, from its config alone."""
+    return SPECS[arch].graph_from_config(tiny_config(arch, variant))
+
+
+MOE_ARCHS: tuple[str, ...] = tuple(a for a in TINY_ARCHS if tiny_graph(a).n_experts)
+"""Tiny architectures with routed experts (router_logits / expert selection points)."""
 
 
 # --------------------------------------------------------------------------- tokenizer

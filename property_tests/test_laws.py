@@ -17,12 +17,11 @@ from hypothesis import assume, example, given, strategies as st
 from interp_engine import (CAPABILITIES, POINTS, Address, CapabilityUnsupported, SteerSpec,
                            capture_generation, capture_plan, expert_assignment, format_address,
                            generate_stream, parse_address, run_with_cache, steer, steer_plan)
-from interp_engine.testing import assert_close_scaled
+from interp_engine.testing import MOE_ARCHS, TINY_ARCHS, VLLM_ARCHS, assert_close_scaled
 from strategies import (addresses, build_spec, sampling, steer_recipes, steer_specs, token_batches,
                         token_ids, valid_address_strings)
 
-EAGER_ARCHS = ("qwen3", "llama", "gemma2", "qwen3_moe", "deepseek_v4")
-VLLM_ARCHS = ("qwen3", "llama", "gemma2", "qwen3_moe")
+EAGER_ARCHS = TINY_ARCHS  # every architecture in the spec registry (specs/)
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 ATOL, RTOL = 3e-5, 1e-5
 
@@ -263,7 +262,7 @@ def test_lens_at_the_last_layer_equals_the_logprobs_on_vllm(model_pool, arch):
     law()
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "deepseek_v4"])
+@pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_expert_assignment_is_the_routers_selection(model_pool, arch):
     model = model_pool.get(arch)
     g = model.graph

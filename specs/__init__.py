@@ -1,18 +1,33 @@
-"""One declarative spec per architecture. Adding an architecture is adding one file here and
-one line to ``SPECS``."""
+"""One declarative spec per architecture, found by itself: adding an architecture is adding one
+file here that defines ``SPEC`` (an ``ArchSpec``). Everything else (the tiny-model factory, the
+test parametrisation, the CLI's choices) derives its list from ``SPECS``."""
 
 from __future__ import annotations
 
+import importlib
+import pkgutil
 from types import MappingProxyType
 
-from . import deepseek_v4, gemma2, llama, qwen3, qwen3_moe
-from ._base import ArchSpec, Tap, VllmTap
+from ._base import ArchSpec, Split, Tap, TinyRecipe, VllmTap
 
-__all__ = ["ArchSpec", "SPECS", "Tap", "VllmTap", "spec_for_config"]
+__all__ = ["ArchSpec", "SPECS", "Split", "Tap", "TinyRecipe", "VllmTap", "spec_for_config"]
 
-SPECS = MappingProxyType({
-    module.SPEC.arch: module.SPEC for module in (qwen3, llama, gemma2, qwen3_moe, deepseek_v4)
-})
+
+def _discover() -> dict[str, ArchSpec]:
+    found: dict[str, ArchSpec] = {}
+    for info in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        if info.name.startswith("_"):
+            continue
+        spec = getattr(importlib.import_module(f"{__name__}.{info.name}"), "SPEC", None)
+        if not isinstance(spec, ArchSpec):
+            raise TypeError(f"specs/{info.name}.py must define SPEC = ArchSpec(...)")
+        if spec.arch in found:
+            raise ValueError(f"two spec files declare arch {spec.arch!r}")
+        found[spec.arch] = spec
+    return found
+
+
+SPECS = MappingProxyType(_discover())
 
 
 def spec_for_config(config: object) -> ArchSpec:

@@ -7,9 +7,16 @@ module (the HF ``*ForCausalLM`` on eager; the vLLM ``*ForCausalLM`` inside the w
 ``how`` says which tensor of the module call is the point:
   ``in``   the first input (``hidden_states``)        ``out``  the output (a tensor)
   ``out0`` / ``out1`` / ``out2``: that element of a tuple output
+``split`` (optional) takes one part of a fused output before ``post``: ``Split(parts, index)``
+names each part's width as a product of graph dims (``("n_heads", "d_head")``), so a fused
+``qkv_proj`` or ``gate_up_proj`` serves q/k/v or mlp_pre with no special case.
 ``post`` says how to reshape the raw tensor into the point's shape:
   ``None``  already ``[batch, pos, ...]``             ``heads``/``kv_heads``: split the last dim
   ``flat``  rows are flattened tokens: view as ``[batch, pos, -1]``
+
+Each spec also carries its registry data: the HF architecture classes it serves and its tiny
+test-model recipes (``TinyRecipe``); ``specs/__init__`` finds every spec file by itself, and the
+tiny-model factory, the test parametrisation and the CLI read their lists from it.
 """
 
 from __future__ import annotations
@@ -19,9 +26,9 @@ from types import MappingProxyType
 from typing import Callable, Mapping
 
 from interp_engine._graph import ModelGraph, ResidualBasis
-from interp_engine._points import POINTS, PointSpec
+from interp_engine._points import POINTS, PointSpec, Split
 
-__all__ = ["ArchSpec", "Tap", "VllmTap", "build_graph"]
+__all__ = ["ArchSpec", "Split", "Tap", "TinyRecipe", "VllmTap", "build_graph"]
 
 
 @dataclass(frozen=True)
@@ -29,6 +36,7 @@ class Tap:
     path: str
     how: str = "out"
     post: str | None = None
+    split: Split | None = None
 
     def module_path(self, layer: int) -> str:
         return self.path.format(L=layer)
@@ -57,11 +65,36 @@ class VllmTap:
 
 
 @dataclass(frozen=True)
+class TinyRecipe:
+    """How ``interp_engine.testing`` builds one small random checkpoint of this architecture.
+
+    ``config`` is passed to ``transformers.<config_class>`` (tuples become lists);
+    ``norm_offsets`` are added to the parameters whose names end with their keys, after the
+    constant tensors are jittered; ``embedding_scale`` multiplies the input embedding; the
+    tokenizer prepends ``<bos>`` when ``adds_bos``. Any change here changes the directory hash."""
+
+    config_class: str
+    seed: int
+    config: Mapping[str, object]
+    adds_bos: bool = False
+    norm_offsets: Mapping[str, float] = field(default_factory=dict)
+    embedding_scale: float = 1.0
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "config", MappingProxyType(dict(self.config)))
+        object.__setattr__(self, "norm_offsets", MappingProxyType(dict(self.norm_offsets)))
+
+
+@dataclass(frozen=True)
 class ArchSpec:
     arch: str
     model_types: tuple[str, ...]
     graph_from_config: Callable[[object], ModelGraph]
     eager: Mapping[str, Tap]
+    # The transformers ``*ForCausalLM`` class names this spec serves (config.architectures).
+    hf_classes: tuple[str, ...] = ()
+    # variant ("tiny", "bench", ...) -> recipe of a small random checkpoint for tests/benchmarks.
+    tiny: Mapping[str, TinyRecipe] = field(default_factory=lambda: MappingProxyType({}))
     final_norm_path: str = "model.norm"
     unembed_path: str = "lm_head"
     # vLLM: where each point is read, and where each steerable point is written (writes
@@ -71,9 +104,23 @@ class ArchSpec:
     vllm_final_norm_path: str = "model.norm"
     vllm_unembed_path: str = "lm_head"
     vllm_note: str = ""
+    # vLLM's ``model_impl`` for this architecture: "" (vLLM's native model) or "transformers"
+    # (vLLM's Transformers backend, which runs the HF modules inside vLLM).
+    vllm_model_impl: str = ""
     # Why this architecture must run the eager attention kernel on the eager backend (a feature
     # the fast SDPA kernel lacks), or "" when the fast default is exact.
     eager_attention_only: str = ""
+
+    def __post_init__(self) -> None:
+        for name, tap in self.eager.items():
+            if tap.split is not None and POINTS[name].writable:
+                raise ValueError(f"{self.arch}: point {name!r} is writable, so its tap cannot read "
+                                 "one part of a fused output (a write would have nowhere to go)")
+
+    @property
+    def vllm_served(self) -> bool:
+        """Whether vLLM runs this architecture (its vLLM map is not empty)."""
+        return bool(self.vllm)
 
     def point_table(self, graph_dims: Mapping[str, tuple[str, ...]] | None = None) -> tuple[PointSpec, ...]:
         dims = graph_dims or {}
@@ -124,6 +171,25 @@ def build_graph(spec: ArchSpec, config: object, *, moe_layers: tuple[int, ...] =
     return graph.with_points(spec.point_table(graph_dims))
 
 
+# The shape every tiny recipe starts from: 3 layers, hidden 128, 4 query heads and 2 KV heads of
+# 32 (vLLM's CPU attention needs head_dim >= 32), the 512-token test tokenizer, float32.
+TINY_SHAPE = MappingProxyType({
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 256,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.1,
+})
+
+# Parts of fused projections, as widths in graph dims (in the order the model lays them out).
+QKV_PARTS = (("n_heads", "d_head"), ("n_kv_heads", "d_head"), ("n_kv_heads", "d_head"))
+GATE_UP_PARTS = (("d_mlp",), ("d_mlp",))
+
 # Taps shared by the Llama-family layouts (pre-norm, attention then MLP, one residual stream).
 LAYER = "model.layers.{L}"
 COMMON_EAGER = MappingProxyType({
@@ -163,4 +229,25 @@ def merged(base: Mapping, **changes) -> Mapping:
             out.pop(key, None)
         else:
             out[key] = value
+    return MappingProxyType(out)
+
+
+_TRANSFORMERS_SOURCES = {"in": "module_in", "out": "module_out", "out0": "module_out"}
+
+
+def transformers_backend_taps(eager: Mapping[str, Tap], hf_root: str,
+                              vllm_root: str = "model") -> Mapping[str, VllmTap]:
+    """The vLLM map of an architecture that vLLM runs through its Transformers backend
+    (``model_impl="transformers"``): the same HF modules, under ``vllm_root`` instead of the
+    HF ``*ForCausalLM``'s ``hf_root``, read at their inputs and outputs. Derived from the eager
+    map for every point vLLM can serve; fused-split taps stay eager-only."""
+    out = {}
+    for name, tap in eager.items():
+        point = POINTS[name]
+        if not point.vllm or tap.split is not None or tap.how not in _TRANSFORMERS_SOURCES:
+            continue
+        if not tap.path.startswith(hf_root + "."):
+            raise ValueError(f"eager tap {name!r} ({tap.path}) is not under {hf_root!r}")
+        path = vllm_root + tap.path[len(hf_root):]
+        out[name] = VllmTap(_TRANSFORMERS_SOURCES[tap.how], path, tap.post, sharded=name == "z")
     return MappingProxyType(out)

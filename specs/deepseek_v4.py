@@ -7,7 +7,38 @@ vLLM has no CPU path for it, so the vLLM map is empty and every point is eager-o
 
 from interp_engine._graph import ResidualBasis
 
-from ._base import LAYER, ArchSpec, Tap, build_graph
+from ._base import LAYER, ArchSpec, Tap, TinyRecipe, build_graph
+
+_TINY = TinyRecipe("DeepseekV4Config", seed=5, config={
+    "vocab_size": 512,
+    "hidden_size": 128,
+    "num_hidden_layers": 3,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 1,
+    "head_dim": 32,
+    "q_lora_rank": 64,
+    "n_routed_experts": 8,
+    "n_shared_experts": 1,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "layer_types": (
+        "compressed_sparse_attention",
+        "heavily_compressed_attention",
+        "compressed_sparse_attention",
+    ),
+    "o_groups": 2,
+    "o_lora_rank": 64,
+    "index_n_heads": 4,
+    "index_head_dim": 32,
+    "index_topk": 16,
+    "mlp_layer_types": ("hash_moe", "moe", "moe"),
+    "sliding_window": 16,
+    "num_nextn_predict_layers": 0,
+    "hc_mult": 4,
+    "max_position_embeddings": 512,
+    "tie_word_embeddings": False,
+    "initializer_range": 0.1,
+})
 
 _STACK = ("batch", "pos", "n_streams", "d_model")
 
@@ -28,6 +59,8 @@ def _graph(config):
 SPEC = ArchSpec(
     arch="deepseek_v4",
     model_types=("deepseek_v4",),
+    hf_classes=("DeepseekV4ForCausalLM",),
+    tiny={"tiny": _TINY},
     graph_from_config=_graph,
     eager={
         "resid_pre": Tap(LAYER, "in"),

@@ -1,6 +1,17 @@
 """Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3 attention, a routed MoE block in every sparse layer."""
 
-from ._base import COMMON_EAGER, COMMON_VLLM, COMMON_VLLM_WRITES, LAYER, ArchSpec, Tap, VllmTap, build_graph, merged
+from ._base import (COMMON_EAGER, COMMON_VLLM, COMMON_VLLM_WRITES, LAYER, TINY_SHAPE, ArchSpec, Tap,
+                    TinyRecipe, VllmTap, build_graph, merged)
+
+_TINY = TinyRecipe("Qwen3MoeConfig", seed=4, config={
+    **TINY_SHAPE,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 64,
+    "decoder_sparse_step": 1,
+    "mlp_only_layers": (),
+    "norm_topk_prob": True,
+})
 
 
 def _graph(config):
@@ -17,6 +28,8 @@ def _graph(config):
 SPEC = ArchSpec(
     arch="qwen3_moe",
     model_types=("qwen3_moe",),
+    hf_classes=("Qwen3MoeForCausalLM",),
+    tiny={"tiny": _TINY},
     graph_from_config=_graph,
     eager=merged(
         COMMON_EAGER,

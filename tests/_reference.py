@@ -21,6 +21,20 @@ PROMPT = "The quick brown fox jumps over the lazy dog."
 PROMPTS = ("Paris is the capital of France, and Berlin is", "Hi there")
 
 
+def decoder_layers(hf: nn.Module) -> nn.ModuleList:
+    """The model's blocks, by its HF layout (``transformer.h`` on GPT-2, ``model.layers`` else)."""
+    if hf.config.model_type == "gpt_neox":
+        return hf.gpt_neox.layers
+    return hf.transformer.h if hf.config.model_type == "gpt2" else hf.model.layers
+
+
+def final_norm(hf: nn.Module) -> nn.Module:
+    """The norm before the unembedding (``transformer.ln_f`` on GPT-2, ``model.norm`` else)."""
+    if hf.config.model_type == "gpt_neox":
+        return hf.gpt_neox.final_layer_norm
+    return hf.transformer.ln_f if hf.config.model_type == "gpt2" else hf.model.norm
+
+
 def hook_count(hf: nn.Module) -> int:
     """Every forward and forward-pre hook registered anywhere in the model."""
     return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) for m in hf.modules())
@@ -82,6 +96,10 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
     ``(name, layer) -> tensor`` for every point but ``pattern`` (see ``reference_outputs``)."""
     hf = model.hf
     arch = model.graph.arch
+    if arch == "gpt2":
+        return _reference_gpt2(hf, ids, model.graph.n_heads)
+    if arch == "gpt_neox":
+        return _reference_gpt_neox(hf, ids, model.graph.n_heads)
     n_heads, n_kv, d_head = model.graph.n_heads, model.graph.n_kv_heads, model.graph.d_head
     got: dict[tuple[str, int], torch.Tensor] = {}
     b, p = ids.shape
@@ -119,7 +137,10 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
                 add(attn, put_out0(("attn_out", L)))
                 add(layer.post_attention_layernorm, put_in(("resid_mid", L)), pre=True)
                 add(layer.mlp, put(("mlp_out", L)))
-            if arch != "deepseek_v4":
+            if hasattr(attn, "qkv_proj"):  # Phi-3: one fused projection, q | k | v
+                add(attn.qkv_proj, put(("qkv_proj", L)))
+                add(attn.o_proj, put_in(("o_proj_in", L)), pre=True)
+            elif arch != "deepseek_v4":
                 add(attn.q_proj, put(("q_proj", L)))
                 add(attn.k_proj, put(("k_proj", L)))
                 add(attn.v_proj, put(("v_proj", L)))
@@ -127,6 +148,8 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
             if arch in ("qwen3_moe", "deepseek_v4"):
                 add(layer.mlp.gate, put_in(("gate_in", L)), pre=True)
                 add(layer.mlp.gate, put(("gate_out", L)))
+            elif hasattr(layer.mlp, "gate_up_proj"):  # Phi-3: gate | up fused
+                add(layer.mlp.gate_up_proj, put(("gate_up_proj", L)))
             else:
                 add(layer.mlp.gate_proj, put(("gate_proj", L)))
                 add(layer.mlp.up_proj, put(("up_proj", L)))
@@ -136,6 +159,17 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
     for L, layer in enumerate(hf.model.layers):
         for name in ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out"):
             ref[(name, L)] = got[(name, L)]
+        if ("qkv_proj", L) in got:  # cut the fused output at the widths of the HF weights
+            qkv = got[("qkv_proj", L)]
+            q_w = layer.self_attn.o_proj.weight.shape[1]  # n_heads * d_head
+            kv_w = (qkv.shape[-1] - q_w) // 2
+            got[("q_proj", L)] = qkv[..., :q_w]
+            got[("k_proj", L)] = qkv[..., q_w:q_w + kv_w]
+            got[("v_proj", L)] = qkv[..., q_w + kv_w:]
+        if ("gate_up_proj", L) in got:
+            d_mlp = layer.mlp.down_proj.weight.shape[1]
+            got[("gate_proj", L)] = got[("gate_up_proj", L)][..., :d_mlp]
+            got[("up_proj", L)] = got[("gate_up_proj", L)][..., d_mlp:]
         if arch != "deepseek_v4":
             attn = layer.self_attn
             q = got[("q_proj", L)].view(b, p, n_heads, d_head)
@@ -169,10 +203,83 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
                     assert torch.equal(ref[("expert_indices", L)], gate.tid2eid[ids].long())
             ref[("resid_streams", L)] = got[("resid_post", L)]
         else:
-            act = layer.mlp.act_fn
+            act = getattr(layer.mlp, "act_fn", None) or layer.mlp.activation_fn
             ref[("mlp_pre", L)] = got[("gate_proj", L)]
             ref[("mlp_act", L)] = act(got[("gate_proj", L)]) * got[("up_proj", L)]
     ref["logits"] = out.logits  # type: ignore[index]
+    return ref
+
+
+def _reference_gpt2(hf, ids: torch.Tensor, n_heads: int) -> dict:
+    """GPT-2 from its modules: the block is recomputed by hand from ln_1 / attn / ln_2 / mlp
+    (LayerNorms with bias, Conv1D weights stored [in, out]) and checked against the block's
+    own output; q/k/v are c_attn's output cut into thirds."""
+    got: dict = {}
+    b, p = ids.shape
+    with _hooks() as add:
+        for L, block in enumerate(hf.transformer.h):
+            add(block, lambda m, a, k, L=L: got.__setitem__(("resid_pre", L), _first_input(a, k)), pre=True)
+            add(block, lambda m, a, o, L=L: got.__setitem__(("block_out", L), o))
+            add(block.attn.c_proj, lambda m, a, k, L=L: got.__setitem__(("z_in", L), _first_input(a, k)),
+                pre=True)
+        out = hf(input_ids=ids)
+    ref: dict = {}
+    for L, block in enumerate(hf.transformer.h):
+        x = got[("resid_pre", L)]
+        a_in = F.layer_norm(x, x.shape[-1:], block.ln_1.weight, block.ln_1.bias, block.ln_1.eps)
+        qkv = a_in @ block.attn.c_attn.weight + block.attn.c_attn.bias  # Conv1D: x W + b
+        d = qkv.shape[-1] // 3
+        for i, name in enumerate(("q", "k", "v")):
+            ref[(name, L)] = qkv[..., i * d:(i + 1) * d].reshape(b, p, n_heads, -1)
+        z = got[("z_in", L)]
+        ref[("z", L)] = z.reshape(b, p, n_heads, -1)
+        attn = z @ block.attn.c_proj.weight + block.attn.c_proj.bias
+        mid = x + attn
+        m_in = F.layer_norm(mid, mid.shape[-1:], block.ln_2.weight, block.ln_2.bias, block.ln_2.eps)
+        pre = m_in @ block.mlp.c_fc.weight + block.mlp.c_fc.bias
+        act = block.mlp.act(pre)
+        mlp = act @ block.mlp.c_proj.weight + block.mlp.c_proj.bias
+        torch.testing.assert_close(mid + mlp, got[("block_out", L)], rtol=1e-5, atol=1e-5)
+        ref.update({("resid_pre", L): x, ("attn_out", L): attn, ("resid_mid", L): mid,
+                    ("mlp_pre", L): pre, ("mlp_act", L): act, ("mlp_out", L): mlp,
+                    ("resid_post", L): got[("block_out", L)]})
+    ref["logits"] = out.logits
+    return ref
+
+
+def _reference_gpt_neox(hf, ids: torch.Tensor, n_heads: int) -> dict:
+    """GPT-NeoX's parallel block by hand: attention and the MLP both read resid_pre through
+    their own LayerNorms; query_key_value is laid out per head as q | k | v."""
+    got: dict = {}
+    b, p = ids.shape
+    with _hooks() as add:
+        for L, block in enumerate(hf.gpt_neox.layers):
+            add(block, lambda m, a, k, L=L: got.__setitem__(("resid_pre", L), _first_input(a, k)), pre=True)
+            add(block, lambda m, a, o, L=L: got.__setitem__(("block_out", L), o))
+            add(block.attention.dense, lambda m, a, k, L=L: got.__setitem__(("z_in", L), _first_input(a, k)),
+                pre=True)
+        out = hf(input_ids=ids)
+    ref: dict = {}
+    for L, block in enumerate(hf.gpt_neox.layers):
+        x = got[("resid_pre", L)]
+        ln1, ln2 = block.input_layernorm, block.post_attention_layernorm
+        qkv_w = block.attention.query_key_value
+        qkv = F.linear(F.layer_norm(x, x.shape[-1:], ln1.weight, ln1.bias, ln1.eps), qkv_w.weight, qkv_w.bias)
+        per_head = qkv.reshape(b, p, n_heads, -1)  # [.., head, 3 * d_head]
+        d = per_head.shape[-1] // 3
+        for i, name in enumerate(("q", "k", "v")):
+            ref[(name, L)] = per_head[..., i * d:(i + 1) * d]
+        z = got[("z_in", L)]
+        ref[("z", L)] = z.reshape(b, p, n_heads, -1)
+        attn = F.linear(z, block.attention.dense.weight, block.attention.dense.bias)
+        mlp_in = F.layer_norm(x, x.shape[-1:], ln2.weight, ln2.bias, ln2.eps)  # reads x, not x + attn
+        pre = F.linear(mlp_in, block.mlp.dense_h_to_4h.weight, block.mlp.dense_h_to_4h.bias)
+        act = block.mlp.act(pre)
+        mlp = F.linear(act, block.mlp.dense_4h_to_h.weight, block.mlp.dense_4h_to_h.bias)
+        torch.testing.assert_close(x + attn + mlp, got[("block_out", L)], rtol=1e-5, atol=1e-5)
+        ref.update({("resid_pre", L): x, ("attn_out", L): attn, ("mlp_pre", L): pre,
+                    ("mlp_act", L): act, ("mlp_out", L): mlp, ("resid_post", L): got[("block_out", L)]})
+    ref["logits"] = out.logits
     return ref
 
 

@@ -137,6 +137,7 @@ class VllmBackend:
             model=str(path), dtype=dtype, enforce_eager=True, enable_prefix_caching=False,
             seed=0, max_logprobs=graph.d_vocab, enable_prompt_embeds=self.prompt_embeds,
             max_model_len=max_model_len, worker_extension_cls=EXTENSION, logits_processors=[VALIDATOR],
+            **({"model_impl": spec.vllm_model_impl} if spec.vllm_model_impl else {}),
             **engine_kwargs,
         )
         self._llm = None

@@ -316,7 +316,10 @@ class Runtime:
             args[0] = self._apply(work, "fused_in_sum", x, residual, lambda v: v + residual)
         if "module_in" in sources:
             first = args[0] if args else next(iter(kwargs.values()))
-            self._apply(work, "module_in", first, None, lambda v: v)
+            flat = first.reshape(-1, first.shape[-1])  # rows (the Transformers backend adds a batch dim)
+            new = self._apply(work, "module_in", flat, None, lambda v: v)
+            if new is not flat:  # a write: edit the input in place, so that every holder of
+                first.copy_(new.view_as(first))  # it sees it (GPT-2's block keeps ln_2's input as its residual)
         return tuple(args), kwargs
 
     def _run_post(self, site: _Site, out):
@@ -330,8 +333,10 @@ class Runtime:
             return h, r
         if "module_out" in sources:
             first = out[0] if isinstance(out, tuple) else out
-            new = self._apply(work, "module_out", first, None, lambda v: v)
-            if new is not first:
+            flat = first.reshape(-1, first.shape[-1])
+            new = self._apply(work, "module_out", flat, None, lambda v: v)
+            if new is not flat:
+                new = new.view_as(first)
                 return (new,) + tuple(out[1:]) if isinstance(out, tuple) else new
         return None
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from interp_engine import Address, CapabilityUnsupported, decode_residuals, run_with_cache
-from tests._reference import PROMPT, PROMPTS
+from tests._reference import PROMPT, PROMPTS, final_norm
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 SINGLE = ("qwen3", "llama", "gemma2", "qwen3_moe")
@@ -22,7 +22,7 @@ def _all_resid_post(model, tokens):
 def _by_hand(model, resid):
     hf = model.hf
     with torch.no_grad():
-        logits = hf.lm_head(hf.model.norm(resid))
+        logits = hf.lm_head(final_norm(hf)(resid))
         cap = getattr(hf.config, "final_logit_softcapping", None)
         if cap:
             logits = torch.tanh(logits / cap) * cap

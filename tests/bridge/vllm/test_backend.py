@@ -15,7 +15,7 @@ from interp_engine import (Address, CapabilityUnsupported, SteerSpec, capture_ge
                            generate_stream, load_model, run_with_cache, steer)
 from interp_engine.testing import assert_close_scaled, tiny_model
 
-VLLM_ARCHS = ("qwen3", "llama", "gemma2", "qwen3_moe")  # deepseek_v4 has no vLLM CPU path
+from interp_engine.testing import VLLM_ARCHS  # noqa: E402  (from the spec registry)
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                   reason="vllm not installed")]
 
@@ -38,7 +38,7 @@ def _served_points(model):
 def test_every_served_point_equals_eager(pair):
     eager, vllm = pair
     points = _served_points(vllm)
-    assert {a.name for a in points} >= {"resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out", "z"}
+    assert {a.name for a in points} >= {"resid_pre", _mid(eager), "resid_post", "attn_out", "mlp_out", "z"}
     for prompt in PROMPTS:
         tokens = eager.to_tokens(prompt)
         ce, cv = run_with_cache(eager, tokens, points), run_with_cache(vllm, tokens, points)
@@ -62,6 +62,11 @@ def test_greedy_tokens_and_logprobs_equal(pair):
             assert b.logprob == pytest.approx(a.logprob, abs=1e-5)
 
 
+def _mid(model):
+    """resid_mid, or attn_out on a parallel block (GPT-NeoX), where resid_mid has no meaning."""
+    return "attn_out" if model.residual_basis.parallel_block else "resid_mid"
+
+
 def _specs(model):
     g = torch.Generator().manual_seed(3)
     d, last = model.d_model, model.n_layers - 1
@@ -70,7 +75,7 @@ def _specs(model):
     return {
         "add_resid_post": SteerSpec.add("resid_post.1", v, scale=3.0),
         "add_last_layer": SteerSpec.add(f"resid_post.{last}", v, scale=2.0),
-        "ablate_mid_set_pre": SteerSpec.ablate("resid_mid.1", u) | SteerSpec.set("resid_pre.2", v * 2, positions=[3]),
+        "ablate_mid_set_pre": SteerSpec.ablate(f"{_mid(model)}.1", u) | SteerSpec.set("resid_pre.2", v * 2, positions=[3]),
         "attn_mlp_prompt_generated": SteerSpec.add("attn_out.0", v, scale=4.0, positions="prompt")
         | SteerSpec.add("mlp_out.2", u, scale=4.0, positions="generated"),
         "per_position": SteerSpec.add("resid_pre.0", torch.stack([v, u]) * 3, positions=[1, 4]),
@@ -99,7 +104,7 @@ def test_steered_generation_equals_eager(pair):
 def test_steered_capture_equals_eager(pair):
     eager, vllm = pair
     tokens = eager.to_tokens(PROMPTS[1])
-    points = [Address(n, layer) for n in ("resid_mid", "resid_post", "attn_out") for layer in range(eager.n_layers)]
+    points = [Address(n, layer) for n in {_mid(eager), "resid_post", "attn_out"} for layer in range(eager.n_layers)]
     for name, spec in _specs(eager).items():
         with steer(eager, spec):
             ce = run_with_cache(eager, tokens, points)
@@ -303,7 +308,9 @@ def test_head_contributions_run_where_the_weights_are(pair):
     assert hv.shape == (1, tokens.shape[1], eager.graph.n_heads, eager.d_model)
     assert_close_scaled(hv, head_contributions(eager, ce, 1), msg="heads")
     if eager.graph.arch != "gemma2":  # Gemma 2 normalises attention's output before adding it
-        assert_close_scaled(hv.sum(2), cv["attn_out.1"], msg="sum over heads")
+        o_proj = eager.hf.get_submodule(eager.backend.spec.eager["z"].module_path(1))
+        bias = o_proj.bias if o_proj.bias is not None else 0.0  # GPT-2's c_proj has one
+        assert_close_scaled(hv.sum(2) + bias, cv["attn_out.1"], msg="sum over heads")
 
 
 def test_starting_an_engine_leaves_the_callers_random_streams_alone():
