@@ -8,7 +8,7 @@ generated tokens (GenSteps, a Completion, a list of ids) — in dicts, lists and
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
@@ -68,7 +68,8 @@ class OutputDiff:
     first_divergence: int | None = None
     tokens: tuple[int, int] | None = None
     near_tie: bool | None = None
-    detail: str = ""
+    detail: str = ""  # why it failed without numbers (shapes, NaN, lengths)
+    note: str = ""  # what was compared, when not everything was
 
     def describe(self) -> str:
         if self.detail:
@@ -80,7 +81,8 @@ class OutputDiff:
             return (f"first diverging token at step {self.first_divergence}: "
                     f"{self.tokens[0]} vs {self.tokens[1]} ({tie})")
         at = "" if self.where is None else f" at {list(self.where)}"
-        return f"max |diff| {self.max_abs:.3g}{at}, rel {self.rel:.3g} (tol {self.tolerance:.3g})"
+        note = f"; {self.note}" if self.note else ""
+        return f"max |diff| {self.max_abs:.3g}{at}, rel {self.rel:.3g} (tol {self.tolerance:.3g}){note}"
 
 
 @dataclass(frozen=True)
@@ -118,7 +120,7 @@ class CompareReport:
             else:
                 cells = (d.output, d.engine, f"{d.max_abs:.3g}", f"{d.rel:.3g}", f"{d.p99:.3g}",
                          "" if d.where is None else str(list(d.where)),
-                         "" if d.position is None else str(d.position), "")
+                         "" if d.position is None else str(d.position), d.detail or d.note)
             verdict = "ok" if d.passed else "FAIL"
             body.append(cells[:-1] + ((verdict + ("  " + cells[-1] if cells[-1] else "")),))
         widths = [max(len(r[i]) for r in (head, *body)) for i in range(len(head))]
@@ -140,21 +142,24 @@ class CompareReport:
             raise ImportError("CompareReport.plot needs matplotlib: pip install matplotlib") from exc
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
 
-        series: dict[tuple[str, str], list[tuple[int, float]]] = {}
-        for d in self.diffs:
+        series: dict[tuple[str, str], dict[int, float]] = {}
+        for d in self.diffs:  # the worst over every output of a (point, engine, layer)
             if d.layer is not None and d.kind == "tensor":
-                series.setdefault((d.point, d.engine), []).append((d.layer, d.rel))
+                by_layer = series.setdefault((d.point, d.engine), {})
+                by_layer[d.layer] = max(by_layer.get(d.layer, 0.0), d.rel)
         if not series:
             raise ValueError("nothing to plot: the pipeline returned no per-layer captures (a Cache)")
         fig, ax = plt.subplots(figsize=(7, 4))
         floor = self.tolerance * 1e-4  # equal tensors (rel 0) drawn at the bottom of the log scale
-        for (point, engine), points in sorted(series.items()):
-            points.sort()
+        for (point, engine), by_layer in sorted(series.items()):
+            points = sorted(by_layer.items())
             ax.plot([p[0] for p in points], [max(p[1], floor) for p in points], marker="o",
                     label=f"{point} ({engine})")
         ax.axhline(self.tolerance, linestyle="--", color="grey", label="tolerance")
         ax.set_yscale("log")
+        ax.xaxis.set_major_locator(matplotlib.ticker.MaxNLocator(integer=True))
         ax.set_xlabel("layer")
         ax.set_ylabel(f"max |diff| / max |{self.reference}|")
         ax.set_title(f"{self.reference} vs {', '.join(self.engines[1:])} ({str(self.dtype).removeprefix('torch.')})")
@@ -226,10 +231,12 @@ def _tensor_diff(name: str, engine: str, ref: torch.Tensor, other: torch.Tensor,
     flat = int(diff.argmax())
     where = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), diff.shape))
     max_abs = float(diff.max())
+    if max_abs == 0.0:
+        where = None
     rel_all = (diff / scale).flatten().float()
     if rel_all.numel() > 1_000_000:  # quantiles of a large tensor from an even subsample
         rel_all = rel_all[:: rel_all.numel() // 1_000_000 + 1]
-    position = where[1] if address is not None and len(where) >= 2 else None
+    position = where[1] if where is not None and address is not None and len(where) >= 2 else None
     rel = max_abs / scale
     nan = bool(torch.isnan(diff).any())
     return OutputDiff(name, engine, "tensor", (rel <= tol) and not nan, tol, max_abs=max_abs, rel=rel,
@@ -315,9 +322,12 @@ def compare(fn: Callable[[Model], Any], models: Sequence[Model] | Mapping[str, M
                 diffs.append(_token_diff(key, name, value, other, float(tolerance)))
             else:
                 a, b = value, other
+                note = ""
                 if key in cut:  # per-step values after the tokens diverged compare different prefixes
                     a, b = a[:cut[key]], b[:cut[key]]
-                diffs.append(_tensor_diff(key, name, a, b, float(tolerance), ref_layers.get(key)))
+                    note = f"steps before {cut[key]} only (the tokens diverge there)"
+                d = _tensor_diff(key, name, a, b, float(tolerance), ref_layers.get(key))
+                diffs.append(replace(d, note=note) if note else d)
     return CompareReport(names[0], tuple(names), dtype, float(tolerance), tuple(diffs))
 
 
