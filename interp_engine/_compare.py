@@ -126,8 +126,9 @@ class CompareReport:
         widths = [max(len(r[i]) for r in (head, *body)) for i in range(len(head))]
         line = lambda r: "  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip()
         verdict = "PASS" if self.passed else f"FAIL ({len(self.failures())} of {len(self.diffs)})"
-        title = (f"compare: reference {self.reference} vs {', '.join(self.engines[1:])}; dtype "
-                 f"{str(self.dtype).removeprefix('torch.')}, tolerance {self.tolerance:.3g} (scale-relative): {verdict}")
+        dtype = str(self.dtype).removeprefix("torch.")
+        title = (f"compare: reference {self.reference} vs {', '.join(self.engines[1:])}; dtype {dtype}, "
+                 f"tolerance {self.tolerance:.3g} (scale-relative): {verdict}")
         return "\n".join([title, line(head), *(line(r) for r in body)])
 
     def __str__(self) -> str:

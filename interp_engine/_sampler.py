@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["GREEDY_BELOW", "MIN_TEMPERATURE", "SEED_HIGH", "draw_seed", "filter_logits", "gumbel_scores", "new_generator",
-           "sample_token"]
+__all__ = ["GREEDY_BELOW", "MIN_TEMPERATURE", "SEED_HIGH", "draw_seed", "filter_logits", "gumbel_scores",
+           "new_generator", "sample_token"]
 
 GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a temperature under it is greedy
 MIN_TEMPERATURE = 1e-2  # vLLM's _MAX_TEMP: a temperature in (0, 0.01) is raised to it

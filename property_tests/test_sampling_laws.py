@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib.util
 
 import pytest
-import torch
 from hypothesis import given, strategies as st
 
 from interp_engine import generate_stream
