@@ -3,14 +3,15 @@ compared, the report printed (and a per-layer PNG on request). Exit status 0 whe
 agrees within the tolerance, 1 otherwise.
 
 Wiring (cli.py): ``add_compare_parser(subparsers)`` registers the subcommand with
-``run_compare`` as its ``func`` default.
+``run_compare`` as its ``func`` default; the demo's ``--compare-vllm`` is
+``print_backend_comparison(path, tokens, points, max_tokens)``.
 """
 
 from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_compare_parser", "run_compare"]
+__all__ = ["add_compare_parser", "print_backend_comparison", "run_compare"]
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
@@ -59,8 +60,44 @@ def _path(name: str):
     return name
 
 
+def _unique(name: str, taken) -> str:
+    out, i = name, 2
+    while out in taken:
+        out, i = f"{name}#{i}", i + 1
+    return out
+
+
+def _pipeline(tokens, points, max_tokens: int):
+    from . import generate_stream, run_with_cache
+
+    def pipeline(model):
+        out = {"cache": run_with_cache(model, tokens, points)}
+        if max_tokens:
+            out["greedy"] = list(generate_stream(model, tokens, max_tokens=max_tokens, temperature=0.0,
+                                                 n_logprobs=2, stop_at_eos=False))
+        return out
+    return pipeline
+
+
+def print_backend_comparison(path, tokens, points, max_tokens: int = 8, backends=("eager", "vllm")) -> bool:
+    """Load ``path`` on each backend, compare captures of ``points`` and greedy tokens, print
+    the report; True when it passed."""
+    from . import compare, load_model
+
+    models = {}
+    try:
+        for backend in backends:
+            models[_unique(backend, models)] = load_model(path, backend=backend)
+        report = compare(_pipeline(tokens, points, max_tokens), models)
+        print(report.table())
+        return report.passed
+    finally:
+        for model in models.values():
+            model.close()
+
+
 def run_compare(args: argparse.Namespace) -> int:
-    from . import compare, generate_stream, load_model, run_with_cache
+    from . import compare, load_model
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if len(backends) < 2:
@@ -71,22 +108,11 @@ def run_compare(args: argparse.Namespace) -> int:
     models = {}
     try:
         for backend in backends:
-            name, i = backend, 2
-            while name in models:
-                name, i = f"{backend}#{i}", i + 1
-            models[name] = load_model(path, backend=backend, dtype=args.dtype)
+            models[_unique(backend, models)] = load_model(path, backend=backend, dtype=args.dtype)
         first = next(iter(models.values()))
         points = _points(first, args.points)
         tokens = first.to_tokens(args.prompt)
-
-        def pipeline(model):
-            out = {"cache": run_with_cache(model, tokens, points)}
-            if args.max_tokens:
-                out["greedy"] = list(generate_stream(model, tokens, max_tokens=args.max_tokens, temperature=0.0,
-                                                     n_logprobs=2, stop_at_eos=False))
-            return out
-
-        report = compare(pipeline, models, tolerance=args.tolerance)
+        report = compare(_pipeline(tokens, points, args.max_tokens), models, tolerance=args.tolerance)
         print(f"model {args.model}, prompt {args.prompt!r} ({tokens.shape[1]} tokens)")
         print(report.table())
         if args.plot:

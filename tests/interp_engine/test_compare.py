@@ -152,3 +152,10 @@ def test_eager_and_vllm_agree_in_fp32(model_pool):
     eager, vllm = model_pool.get("qwen3"), model_pool.get("qwen3", "vllm", enable_prompt_embeds=True)
     report = assert_backends_agree(_pipeline(gen_tokens=6), {"eager": eager, "vllm": vllm})
     assert report["cache/resid_post.2"].rel < report.tolerance
+
+
+def test_the_demo_comparison_prints_the_report(capsys):
+    from interp_engine._compare_cli import print_backend_comparison
+
+    assert print_backend_comparison(tiny_model("qwen3"), [[1, 2, 3]], ["resid_post.0"], 2, backends=("eager", "eager"))
+    assert "cache/resid_post.0" in capsys.readouterr().out
