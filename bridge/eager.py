@@ -24,7 +24,8 @@ from interp_engine._backend import RawStep
 from interp_engine._graph import GradSupport, ModelGraph
 from interp_engine._ops import apply_write, reshape_point, select_rows
 from interp_engine._plan import Plan, SteerOp
-from interp_engine._sampling import SamplingConfig, sample_next
+from interp_engine._sampler import new_generator, sample_token
+from interp_engine._sampling import SamplingConfig
 from interp_engine._tokens import TokenBatch
 from specs import ArchSpec, Tap
 
@@ -267,13 +268,9 @@ class EagerBackend:
         if embeds is not None and "hash_moe" in (getattr(self.hf.config, "mlp_layer_types", None) or ()):
             raise ValueError(f"{self.graph.arch} routes its hash-MoE layers by token id, so it cannot "
                              "generate from prompt embeddings: pass token ids instead")
-        generator = None
-        if not config.greedy:
-            generator = torch.Generator(device="cpu")
-            if config.seed is not None:
-                generator.manual_seed(config.seed)
-            else:
-                generator.seed()  # non-deterministic, and the global RNG is left alone
+        # vLLM's per-request generator and draw (interp_engine._sampler): a seed gives the
+        # tokens a vLLM engine on CPU draws; no seed leaves the global RNG alone.
+        generator = None if config.greedy else new_generator(config.seed)
         stops = frozenset(config.stop_token_ids) | (self.eos_ids if config.stop_at_eos else frozenset())
         banned = torch.tensor(sorted(stops), dtype=torch.long) if config.min_tokens and stops else None
         past = DynamicCache(config=self.hf.config)
@@ -291,7 +288,7 @@ class EagerBackend:
             scores = logits
             if banned is not None and step < config.min_tokens:  # as vLLM: stop tokens masked
                 scores = logits.index_fill(0, banned, float("-inf"))
-            token = sample_next(scores, config, generator)
+            token = sample_token(scores, config.temperature, generator, config.top_k, config.top_p)
             logprobs = sampled = None
             if config.n_logprobs is not None:  # raw logprobs, before any masking (vLLM's default)
                 lp = torch.log_softmax(logits, dim=-1)

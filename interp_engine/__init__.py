@@ -18,6 +18,7 @@ from ._api import (
     steer,
 )
 from ._cache import Cache
+from ._compare import CompareReport, OutputDiff, assert_backends_agree, compare, default_tolerance
 from ._capabilities import CAPABILITIES, Capability, CapabilityUnsupported
 from ._graph import GradSupport, ModelGraph, ResidualBasis
 from ._model import Model, ModelNotFound, Tokenizer, load_model
@@ -29,7 +30,8 @@ from ._tl import TL_HOOKS, from_tl
 from ._tokens import TokenBatch
 
 __all__ = [
-    "Address", "Backend", "CAPABILITIES", "DIMS", "RawStep", "SAMPLING_FIELDS", "ShapeError", "Cache", "Capability", "CapabilityUnsupported", "Completion",
+    "Address", "Backend", "CAPABILITIES", "CompareReport", "OutputDiff", "assert_backends_agree", "compare",
+    "default_tolerance", "DIMS", "RawStep", "SAMPLING_FIELDS", "ShapeError", "Cache", "Capability", "CapabilityUnsupported", "Completion",
     "GenStep", "GradSupport", "Model", "ModelGraph", "ModelNotFound", "POINTS", "Plan",
     "PointSpec", "ResidualBasis", "SamplingConfig", "SteerOp", "SteerSpec", "TokenBatch",
     "Tokenizer", "active_steering", "capture_generation", "capture_plan", "decode_residuals",

@@ -1,4 +1,4 @@
-"""Sampling parameters (validated data) and the pure sampling functions the eager backend uses."""
+"""Sampling parameters (validated data); the draw itself is vLLM's procedure, in _sampler."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from jaxtyping import Float
 
 from ._shapes import entry
 
-__all__ = ["SAMPLING_FIELDS", "SamplingConfig", "sample_next", "sampling_from_params", "top_logprobs"]
+__all__ = ["SAMPLING_FIELDS", "SamplingConfig", "sampling_from_params", "top_logprobs"]
 
 
 def _is_int(x) -> bool:
@@ -69,6 +69,7 @@ class SamplingConfig:
 
     @property
     def greedy(self) -> bool:
+        """Only 0 is greedy, as in vLLM: a temperature in (0, 0.01) samples at 0.01."""
         return self.temperature == 0.0
 
 
@@ -147,24 +148,3 @@ def top_logprobs(logits: Float[torch.Tensor, "d_vocab"], k: int) -> list[dict]:
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     values, ids = torch.topk(logprobs, k)
     return [{"token_id": int(i), "logprob": float(v)} for v, i in zip(values.tolist(), ids.tolist())]
-
-
-def sample_next(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None) -> int:
-    """One token from ``[d_vocab]`` logits: argmax at temperature 0, else temperature, top-k,
-    top-p, then a draw from ``generator``."""
-    if config.greedy:
-        return int(torch.argmax(logits))
-    scores = logits.float() / float(config.temperature)
-    if config.top_k:
-        kth = torch.topk(scores, config.top_k).values[-1]
-        scores = scores.masked_fill(scores < kth, float("-inf"))
-    if config.top_p < 1.0:
-        sorted_scores, order = torch.sort(scores, descending=True)
-        probs = torch.softmax(sorted_scores, dim=-1)
-        cumulative = torch.cumsum(probs, dim=-1)
-        drop = (cumulative - probs) > config.top_p
-        drop[0] = False
-        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
-        scores = torch.full_like(scores, float("-inf")).scatter(0, order, sorted_scores)
-    probs = torch.softmax(scores, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=generator))
