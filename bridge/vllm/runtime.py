@@ -335,9 +335,10 @@ class Runtime:
         sources = {w[1] for w in work}
         if sources & {"layer_sum", "layer_h", "layer_r"}:
             h, r = out
-            h = self._apply(work, "layer_sum", h, r, lambda v: v + r)
+            # eager order: the MLP's output (h) is written and read before resid_post = h + r
             h = self._apply(work, "layer_h", h, None, lambda v: v)
             self._apply(work, "layer_r", r, None, lambda v: v)
+            h = self._apply(work, "layer_sum", h, r, lambda v: v + r)
             return h, r
         if "module_out" in sources:
             first = out[0] if isinstance(out, tuple) else out

@@ -157,7 +157,7 @@ class StaticTaps:
                 site.coef[index] = torch.tensor(_COEF[op.op], dtype=self.dtype, device=self.device)
         finally:
             self.owned[id(request)] = held
-        request.static_slots = [slots[0] for _, slots in held]
+        request.static_slots = [torch.tensor(slots) for _, slots in held]  # op i, vector row j -> slot
 
     def forget(self, request) -> None:
         for site, slots in self.owned.pop(id(request), ()):
@@ -179,10 +179,10 @@ class StaticTaps:
                 sel = select_rows(op.positions, op.per_position, positions[s:e], request.prompt_len)
                 if sel.empty:
                     continue
-                base = request.static_slots[i]
+                held = request.static_slots[i]
                 rows = torch.arange(s, e) if sel.rows is None else sel.rows + s
-                slots = (torch.full((rows.numel(),), base, dtype=torch.long) if sel.vector_rows is None
-                         else sel.vector_rows + base)
+                slots = (held[:1].expand(rows.numel()) if sel.vector_rows is None
+                         else held.index_select(0, sel.vector_rows))
                 entry = work.setdefault(id(self.sites[op.address]), ([], []))
                 entry[0].append(rows)
                 entry[1].append(slots)
@@ -265,9 +265,10 @@ def _layer_forward(original: Callable, work: dict) -> Callable:
                 hidden_states = hidden_states.clone()  # layer 0: never write into vLLM's input buffer
             _run_point(work, "layer_in", hidden_states, residual)
         h, r = original(positions, hidden_states, residual, *args, **kwargs)
-        _run_point(work, "layer_sum", h, r)
+        # eager order: the MLP's output (h) is written and read first; resid_post = h + r after
         _run_point(work, "layer_h", h, None)
         _run_point(work, "layer_r", r, None)
+        _run_point(work, "layer_sum", h, r)
         return h, r
 
     return forward

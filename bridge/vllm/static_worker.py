@@ -51,7 +51,8 @@ def static_info(runtime: Any) -> dict:
     from .static_taps import compilation_counts
 
     taps = runtime.static
-    out = {"static": taps is not None, "counts": compilation_counts()}
+    out = {"static": taps is not None, "counts": compilation_counts(),
+           "config_hash": runtime.runner.vllm_config.compute_hash()}
     if taps is not None:
         out.update(points=[str(a) for a in taps.taps], writes=[str(a) for a in taps.sites],
                    buffer_bytes=taps.bytes, max_tokens=taps.max_tokens, slots=taps.n_slots)
