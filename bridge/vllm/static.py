@@ -26,6 +26,7 @@ import torch
 from interp_engine._address import Address
 from interp_engine._capabilities import CapabilityUnsupported
 from interp_engine._plan import Plan
+from interp_engine._points import POINTS
 
 from .client import VllmBackend
 from .static_decl import CONFIG_KEY, DEFAULT_SLOTS, StaticDeclaration, declare
@@ -89,6 +90,8 @@ class VllmStaticBackend(VllmBackend):
         if found is not None:
             return found
         for address in plan.reads:
+            if not POINTS[address.name].vllm_static:
+                return CapabilityUnsupported("static_point", self.name, detail=f"capture {address}")
             if address not in self.declaration.points:
                 return CapabilityUnsupported("undeclared_static_point", self.name,
                                              detail=f"capture {address}; {self._declared_hint(False)}")

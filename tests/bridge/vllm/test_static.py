@@ -74,6 +74,8 @@ def test_what_it_serves_is_known_before_warmup_and_undeclared_work_is_refused():
     with pytest.raises(CapabilityUnsupported) as info:
         run_with_cache(model, tokens, ["resid_post.0"])
     assert "resid_post.1, mlp_out.2" in str(info.value) and "static_points=" in str(info.value)
+    with pytest.raises(CapabilityUnsupported, match="static_point.*z.1"):  # cannot be declared at all
+        run_with_cache(model, tokens, ["z.1"])
     with pytest.raises(CapabilityUnsupported) as info:
         with steer(model, SteerSpec.add("attn_out.0", torch.ones(model.d_model))):
             pass
