@@ -105,10 +105,21 @@ CAPABILITIES = MappingProxyType(
                "this vLLM build has no working path for this architecture on this device",
                "use backend='eager'", _EAGER),
             _c("static_graph",
-               "backend='vllm-static' (taps traced into the compiled graph) is not implemented "
-               "in this release",
+               "hooks added to a compiled or graph-captured vLLM model never fire: only "
+               "backend='vllm-static' compiles its taps into the graph",
+               "use backend='vllm-static', or leave enforce_eager on with backend='vllm'",
+               frozenset({"vllm-static"})),
+            _c("static_point",
+               "only residual-width points (resid_pre, resid_mid, resid_post, attn_out, mlp_out) "
+               "compile into vLLM's graph as taps, one steering op per site and request",
                "use backend='vllm' (hooks on an eager vLLM engine) or backend='eager'",
-               frozenset()),
+               frozenset({"eager", "vllm"})),
+            _c("undeclared_static_point",
+               "backend='vllm-static' serves only the taps and steering sites declared when the "
+               "model was loaded (they are compiled into the graph)",
+               "declare it: load_model(..., backend='vllm-static', static_points=[...], "
+               "static_writes=[...]), or use backend='vllm'",
+               frozenset({"eager", "vllm"})),
         )
     }
 )

@@ -226,7 +226,10 @@ def load_model(name: str | os.PathLike, backend: str = "eager", *, requires_grad
                static_points: Any = None, static_writes: Any = None,
                **engine_kwargs: Any) -> Model:
     """Load a model directory, or a hub name from the local HF cache, on ``backend``
-    ("eager" or "vllm"). Switching backend is this argument and nothing else.
+    ("eager", "vllm" or "vllm-static"). Switching backend is this argument and nothing else.
+    ``static_points`` / ``static_writes`` (vllm-static only): the taps and steering sites compiled
+    into vLLM's graph — "auto" (the default: resid_post, attn_out and mlp_out at every layer,
+    steering at resid_post) or a list of addresses like "resid_post.3".
     ``max_model_len`` caps the context on every backend (default: the model's own);
     other keyword arguments go to ``vllm.LLM`` on vLLM, checked by name and type here."""
     from transformers import AutoConfig, AutoTokenizer
@@ -235,14 +238,11 @@ def load_model(name: str | os.PathLike, backend: str = "eager", *, requires_grad
 
     if backend not in BACKEND_NAMES:
         raise ValueError(f"unknown backend {backend!r}; use one of {BACKEND_NAMES}")
-    if backend == "vllm-static":
-        raise CapabilityUnsupported("static_graph", backend)
     if requires_grad and backend != "eager":
         raise CapabilityUnsupported("gradients", backend)
-    if static_points is not None or static_writes is not None:
-        raise CapabilityUnsupported("static_graph", backend,
-                                    detail="static_points / static_writes only mean something with "
-                                           "backend='vllm-static'")
+    if backend != "vllm-static" and (static_points is not None or static_writes is not None):
+        raise ValueError("static_points / static_writes declare what backend='vllm-static' compiles in; "
+                         f"backend={backend!r} takes neither (hooks reach every served point)")
     if backend == "eager" and engine_kwargs:
         raise TypeError(f"unexpected arguments for backend='eager': {sorted(engine_kwargs)} "
                         "(engine arguments go to vLLM: use backend='vllm')")
@@ -265,8 +265,15 @@ def load_model(name: str | os.PathLike, backend: str = "eager", *, requires_grad
                                         detail=f"{spec.arch}: {spec.vllm_note}")
         from bridge.vllm import VllmBackend
 
-        engine = VllmBackend(path, spec, graph, dtype=torch_dtype, max_model_len=context,
-                             enable_prompt_embeds=enable_prompt_embeds, **engine_kwargs)
+        if backend == "vllm-static":
+            from bridge.vllm.static import VllmStaticBackend
+
+            engine = VllmStaticBackend(path, spec, graph, dtype=torch_dtype, max_model_len=context,
+                                       enable_prompt_embeds=enable_prompt_embeds, static_points=static_points,
+                                       static_writes=static_writes, **engine_kwargs)
+        else:
+            engine = VllmBackend(path, spec, graph, dtype=torch_dtype, max_model_len=context,
+                                 enable_prompt_embeds=enable_prompt_embeds, **engine_kwargs)
     hf_tok = AutoTokenizer.from_pretrained(path)
     tokenizer = Tokenizer(hf_tok, graph.d_vocab)
     return Model(os.fspath(name), path, graph, spec, engine, tokenizer, config)

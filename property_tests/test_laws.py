@@ -411,10 +411,10 @@ def test_refusals_happen_exactly_where_the_table_says(model_pool, arch, backend)
                 run_with_cache(model, tokens, ["resid_post.0"], return_logits=True)
 
 
-def test_vllm_static_is_refused_by_name():
+def test_vllm_static_refuses_points_it_cannot_compile_in_by_name():
     from interp_engine import load_model
     from interp_engine.testing import tiny_model
 
-    with pytest.raises(CapabilityUnsupported) as info:
-        load_model(tiny_model("qwen3"), backend="vllm-static", static_points="auto")
-    assert info.value.capability == "static_graph" and not CAPABILITIES["static_graph"].backends
+    with pytest.raises(CapabilityUnsupported) as info:  # before any engine starts
+        load_model(tiny_model("qwen3"), backend="vllm-static", static_points=["z.1"])
+    assert info.value.capability == "static_point" and not CAPABILITIES["static_point"].served_by("vllm-static")

@@ -219,9 +219,13 @@ def test_capabilities_page(model_pool):
     assert grads.through_forward and grads.describe()
     for name, capability in CAPABILITIES.items():
         assert capability.why and capability.instead, name
-    with pytest.raises(CapabilityUnsupported):  # vllm-static is not part of this release
-        load_model("Qwen/Qwen3-8B", backend="vllm-static", static_points="auto")
     if has_vllm:
+        smodel = load_model("Qwen/Qwen3-8B", backend="vllm-static", static_points="auto")  # no engine yet
+        assert smodel.hooks_available and not smodel.graph_replay
+        assert smodel.static_points and smodel.static_writes
+        with pytest.raises(CapabilityUnsupported) as info:
+            run_with_cache(smodel, smodel.to_tokens("Hi"), ["resid_pre.1"])
+        assert "static_points" in str(info.value) and smodel.backend._llm is None
         vmodel = model_pool.get("qwen3", "vllm", enable_prompt_embeds=True)
         assert vmodel.hooks_available and not vmodel.graph_replay and vmodel.static_points == ()
         with pytest.raises(CapabilityUnsupported) as info:

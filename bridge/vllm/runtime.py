@@ -125,6 +125,7 @@ class Runtime:
         self.dtype = next(self.root.parameters()).dtype
         self.steps = 0
         self.forward_rows: collections.deque[int] = collections.deque(maxlen=1024)  # for checks
+        self.static = None  # vllm-static: the declared taps compiled into the graph (static_taps)
         self._handle = self.root.register_forward_pre_hook(self._on_forward, with_kwargs=True)
 
     # ---- per forward: which rows belong to which request --------------------------------
@@ -137,6 +138,8 @@ class Runtime:
                 request.error = request.error or f"row map failed: {exc!r}"
             self._clear_sites()
             self.active = []
+            if self.static is not None:
+                self.static.fill([], None)
         return None
 
     def _map_rows(self, positions: torch.Tensor | None) -> None:
@@ -163,9 +166,14 @@ class Runtime:
             self.active.append((request, starts[j], starts[j + 1]))
         if not self.active:
             self.positions = None
+            if self.static is not None:
+                self.static.fill([], None)
             return
         # positions is a persistent buffer vLLM rewrites every step: copy it
         self.positions = positions.detach().to("cpu", copy=True) if positions is not None else None
+        if self.static is not None:  # row maps for the compiled taps instead of hook work
+            self.static.fill(self.active, self.positions)
+            return
         for request, s, e in self.active:
             self._plan_rows(request, s, e)
 
@@ -188,6 +196,9 @@ class Runtime:
         request = _Request(plan, int(state.num_prompt_tokens))
         try:
             request.vectors = [op.vector.to(self.device, self.dtype) for op in plan.writes]
+            if self.static is not None:
+                self.static.admit(request)
+                plan = WirePlan(plan.rid, (), ())  # nothing for hooks below
             for address in plan.reads:
                 self._site(self._tap(address.name, False).module_path(address.layer))
             for op in plan.writes:
@@ -327,9 +338,10 @@ class Runtime:
         sources = {w[1] for w in work}
         if sources & {"layer_sum", "layer_h", "layer_r"}:
             h, r = out
-            h = self._apply(work, "layer_sum", h, r, lambda v: v + r)
+            # eager order: the MLP's output (h) is written and read before resid_post = h + r
             h = self._apply(work, "layer_h", h, None, lambda v: v)
             self._apply(work, "layer_r", r, None, lambda v: v)
+            h = self._apply(work, "layer_sum", h, r, lambda v: v + r)
             return h, r
         if "module_out" in sources:
             first = out[0] if isinstance(out, tuple) else out
@@ -350,6 +362,8 @@ class Runtime:
                 self._finish(request)
 
     def _finish(self, request: _Request) -> None:
+        if self.static is not None:
+            self.static.forget(request)
         if request.plan.capture_path:
             self._write_file(request)
             self.by_rid.pop(request.plan.rid, None)
@@ -419,6 +433,8 @@ class Runtime:
         while len(self.released) > _FINISHED_KEEP:
             self.released.popitem(last=False)
         if request is not None:
+            if self.static is not None:
+                self.static.forget(request)
             for req_id, state in list(self.requests.items()):
                 if state is request:
                     self.requests[req_id] = None  # still scheduled (a cancel in flight): no plan now

@@ -46,6 +46,9 @@ def install_runtime(runner: Any):
     runtime = Runtime(runner, spec, store_captures=rank == 0)
     # points a tensor-parallel rank holds only a slice of are stored on every rank
     runtime.rank_shards = {name for name, tap in spec.vllm.items() if tap.sharded} if world > 1 else set()
+    from .static_worker import install_static
+
+    install_static(runtime, runner)  # vllm-static: taps into the graph before it compiles
     setattr(runner, _ATTR, runtime)
     return runtime
 
@@ -82,6 +85,11 @@ class InterpWorkerExtension:
 
     def interp_stats(self) -> dict:
         return self._interp_runtime().stats()
+
+    def interp_static_info(self) -> dict:
+        from .static_worker import static_info
+
+        return static_info(self._interp_runtime())
 
     # ---- where the weights are ---------------------------------------------------------
     def _interp_root(self):

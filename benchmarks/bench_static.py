@@ -1,0 +1,109 @@
+"""vllm-static against plain compiled vLLM and the hook-based backend, in one run, on the same
+requests, as ratios against plain compiled vLLM (``vllm.LLM`` with torch.compile on, no
+interp_engine in it):
+
+- plain eager vLLM (the hook-based backend's engine, driven with plain ``llm.generate``);
+- vllm-static with resid_post declared at every layer and one steering site: capturing every
+  resid_post (``capture_generation``), and steering at one site;
+- the hook-based backend (``backend="vllm"``, enforce_eager), capturing and steering the same.
+
+1 and 16 concurrent requests; 32 greedy tokens and prefill only (1 token). Targets (issue 11):
+static capture <= 1.15x plain compiled, static steering <= 1.05x, both faster than hooks.
+All engines stay up and the variants run interleaved, so machine noise hits them alike.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_static.py [--variant tiny|bench] [--repeats N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+
+import torch
+
+from _timing import interleaved_medians, report
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--arch", default="qwen3")
+    parser.add_argument("--variant", default="tiny")
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    torch.set_num_threads(1)
+
+    from vllm import LLM, SamplingParams
+
+    from interp_engine import Address, SteerSpec, load_model
+    from interp_engine.testing import tiny_model
+
+    path = tiny_model(args.arch, args.variant)
+    hooks = load_model(path, backend="vllm")
+    n_layers = hooks.n_layers
+    site = f"resid_post.{n_layers // 2}"
+    static = load_model(path, backend="vllm-static", static_points=[f"resid_post.{i}" for i in range(n_layers)],
+                        static_writes=[site])
+    hooks.warmup()
+    static.warmup()
+    plain = LLM(model=str(path), dtype=torch.float32, enable_prefix_caching=False, seed=0,
+                max_model_len=hooks.max_model_len)
+    eager_llm = hooks.backend._llm
+    ids = hooks.to_tokens("The capital of France is a city where")[0].tolist()
+    points = [Address("resid_post", layer) for layer in range(n_layers)]
+    v = torch.randn(hooks.d_model, generator=torch.Generator().manual_seed(0))
+    spec = SteerSpec.add(site, v / v.norm(), scale=2.0)
+    print(f"\n{args.arch} {args.variant}: {n_layers} layers, d_model {hooks.d_model}; "
+          f"static buffers {static.backend.static_buffer_bytes / 2**20:.1f} MiB per worker")
+
+    for n_req in (1, 16):
+        prompts = [ids[: 4 + (i % 6)] if n_req > 1 else ids for i in range(n_req)]
+        for tokens in (args.tokens, 1):
+            greedy = SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True, detokenize=False)
+
+            def raw(llm):
+                return lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
+
+            def capture(model):
+                async def go():
+                    return await asyncio.gather(*[model.capture_generation(p, points, max_tokens=tokens,
+                                                                           temperature=0.0, stop_at_eos=False)
+                                                  for p in prompts])
+                return lambda: asyncio.run(go())
+
+            def steered(model):
+                async def go():
+                    return await asyncio.gather(*[model.generate_text(p, max_tokens=tokens, temperature=0.0,
+                                                                      stop_at_eos=False, steer=spec)
+                                                  for p in prompts])
+                return lambda: asyncio.run(go())
+
+            def unsteered(model):
+                async def go():
+                    return await asyncio.gather(*[model.generate_text(p, max_tokens=tokens, temperature=0.0,
+                                                                      stop_at_eos=False) for p in prompts])
+                return lambda: asyncio.run(go())
+
+            medians = interleaved_medians({
+                "plain compiled vLLM (llm.generate)": raw(plain),
+                "plain eager vLLM (llm.generate)": raw(eager_llm),
+                "vllm-static engine, llm.generate": raw(static.backend._llm),
+                "vllm-static, no plan (interp_engine)": unsteered(static),
+                "vllm-static, capture resid_post x all": capture(static),
+                f"vllm-static, steer {site}": steered(static),
+                "hooks (vllm), capture resid_post x all": capture(hooks),
+                f"hooks (vllm), steer {site}": steered(hooks),
+            }, repeats=args.repeats, warmup=2)
+            what = f"{tokens} greedy tokens" if tokens > 1 else "prefill only (1 token)"
+            report(f"{n_req} concurrent request(s), {what}", medians, "plain compiled vLLM (llm.generate)",
+                   {"vllm-static, capture resid_post x all": "<= 1.15",
+                    f"vllm-static, steer {site}": "<= 1.05"})
+    static.close()
+    hooks.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,303 @@
+"""vllm-static inside a worker: the declared taps and steering sites, patched into the decoder
+layers before vLLM compiles them, and the per-step row maps the runtime fills outside the graph.
+
+``StaticTaps.patch`` replaces each decoder layer's ``forward`` (and, where a point lives on a
+submodule, that submodule's ``forward``) on the instances of this engine only, before the first
+forward: Dynamo traces the wrappers with the layer, so the ``tap`` / ``steer`` custom ops
+(``static_ops``) sit inside the compiled graph. What they read is persistent tensors allocated
+here once; every step ``fill`` writes which rows each request owns into them (before the
+forward, from the runtime's row map) and ``drain`` moves the captured rows into the requests'
+buffers (after it), so nothing stays in the capture buffers between steps.
+
+Memory (allocated once, on the model's device, in the model's dtype):
+  per declared tap:        (max_num_batched_tokens + 1) x d_model   (+ 3 int64 row maps)
+  per declared write site: 2 x (slots + 1) x d_model + (slots + 1) x 2  (+ 3 int64 row maps)
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from interp_engine._address import Address
+from interp_engine._ops import select_rows, stored
+
+from . import static_ops  # noqa: F401  (registers the ops before any graph is traced)
+
+__all__ = ["StaticTaps", "compilation_counts"]
+
+log = logging.getLogger("interp_engine.vllm")
+
+_COEF = {"add": (1.0, 0.0), "set": (0.0, 0.0), "ablate": (1.0, 1.0)}
+
+
+@dataclass(eq=False)
+class _Tap:
+    """One declared capture point: its buffer and this step's rows."""
+
+    address: Address
+    source: str
+    buf: torch.Tensor
+    rows: torch.Tensor
+    count: torch.Tensor
+    dest: torch.Tensor
+    readers: list = field(default_factory=list)  # this step: [(request, s, e, rows, offset)]
+    used: int = 0  # rows written last step (0: nothing to reset)
+
+    def run(self, x: torch.Tensor, y: torch.Tensor | None) -> None:
+        torch.ops.interp_engine.tap(x, y, self.buf, self.rows, self.count, self.dest)
+
+
+@dataclass(eq=False)
+class _Site:
+    """One declared steering site: a bank of slots (0 is the identity) and this step's rows."""
+
+    address: Address
+    source: str
+    vec: torch.Tensor
+    direction: torch.Tensor
+    coef: torch.Tensor
+    rows: torch.Tensor
+    slots: torch.Tensor
+    count: torch.Tensor
+    slot_of: torch.Tensor
+    free: list = field(default_factory=list)
+    used: int = 0
+
+    def run(self, x: torch.Tensor, base: torch.Tensor | None) -> None:
+        torch.ops.interp_engine.steer(x, base, self.vec, self.direction, self.coef, self.rows,
+                                      self.slots, self.count, self.slot_of)
+
+
+class StaticTaps:
+    """The declared set inside one worker."""
+
+    def __init__(self, root: nn.Module, spec, points: tuple[Address, ...], writes: tuple[Address, ...],
+                 slots: int, max_tokens: int, device: torch.device, dtype: torch.dtype, d_model: int) -> None:
+        self.root, self.spec = root, spec
+        self.max_tokens, self.n_slots = max_tokens, slots
+        self.device, self.dtype = device, dtype
+        long = dict(dtype=torch.long, device=device)
+        self.taps: dict[Address, _Tap] = {}
+        for address in points:
+            tap = spec.vllm[address.name]
+            self.taps[address] = _Tap(
+                address, tap.source, torch.zeros(max_tokens + 1, d_model, dtype=dtype, device=device),
+                torch.zeros(max_tokens, **long), torch.zeros(1, **long),
+                torch.full((max_tokens,), max_tokens, **long))
+        self.sites: dict[Address, _Site] = {}
+        for address in writes:
+            tap = spec.vllm_writes.get(address.name) or spec.vllm[address.name]
+            coef = torch.zeros(slots + 1, 2, dtype=dtype, device=device)
+            coef[0, 0] = 1.0
+            self.sites[address] = _Site(
+                address, tap.source, torch.zeros(slots + 1, d_model, dtype=dtype, device=device),
+                torch.zeros(slots + 1, d_model, dtype=dtype, device=device), coef,
+                torch.zeros(max_tokens, **long), torch.zeros(max_tokens, **long), torch.zeros(1, **long),
+                torch.zeros(max_tokens, **long), free=list(range(slots, 0, -1)))
+        self.owned: dict[int, list[tuple[_Site, list[int]]]] = {}  # id(request) -> slots it holds
+        self.bytes = sum(t.buf.numel() * t.buf.element_size() for t in self.taps.values()) + sum(
+            (s.vec.numel() + s.direction.numel() + s.coef.numel()) * s.vec.element_size()
+            for s in self.sites.values())
+
+    # ---- patching: before vLLM compiles ------------------------------------------------
+    def patch(self) -> None:
+        by_layer: dict[int, dict[str, list]] = collections.defaultdict(lambda: collections.defaultdict(list))
+        for address, tap in self.taps.items():
+            by_layer[address.layer][("r", tap.source, self._path(address, False))].append(tap)
+        for address, site in self.sites.items():
+            by_layer[address.layer][("w", site.source, self._path(address, True))].append(site)
+        for layer, work in by_layer.items():
+            layer_path = self.spec.vllm["resid_post"].module_path(layer)
+            layer_work = {k[:2]: v for k, v in work.items() if k[1].startswith("layer_")}
+            if layer_work:
+                _wrap(self.root.get_submodule(layer_path), _layer_forward, layer_work)
+            modules = collections.defaultdict(dict)
+            for (kind, source, path), items in work.items():
+                if not source.startswith("layer_"):
+                    modules[path][(kind, source)] = items
+            for path, module_work in modules.items():
+                _wrap(self.root.get_submodule(path), _module_forward, module_work)
+
+    def _path(self, address: Address, writing: bool) -> str:
+        tap = (self.spec.vllm_writes.get(address.name) if writing else None) or self.spec.vllm[address.name]
+        return tap.module_path(address.layer)
+
+    # ---- requests: slots in the steering banks -----------------------------------------
+    def admit(self, request) -> None:
+        """Give ``request``'s writes their slots (raises when a site is not declared or full)."""
+        for address in request.plan.reads:
+            if address not in self.taps:
+                raise ValueError(f"{address} is not a declared static tap (declared: {[str(a) for a in self.taps]})")
+        held = []
+        try:
+            for i, op in enumerate(request.plan.writes):
+                site = self.sites.get(op.address)
+                if site is None:
+                    raise ValueError(f"{op.address} is not a declared static write site "
+                                     f"(declared: {[str(a) for a in self.sites]})")
+                vector = request.vectors[i].reshape(-1, site.vec.shape[1])
+                if len(site.free) < vector.shape[0]:
+                    raise RuntimeError(f"{op.address}: all {self.n_slots} static steering slots are in use "
+                                       "(raise static_slots when loading the model)")
+                slots = [site.free.pop() for _ in range(vector.shape[0])]
+                held.append((site, slots))
+                index = torch.tensor(slots, device=self.device)
+                if op.op == "ablate":
+                    site.vec[index] = 0
+                    site.direction[index] = vector.to(self.dtype)
+                else:
+                    site.vec[index] = vector.to(self.dtype)
+                    site.direction[index] = 0
+                site.coef[index] = torch.tensor(_COEF[op.op], dtype=self.dtype, device=self.device)
+        finally:
+            self.owned[id(request)] = held
+        request.static_slots = [torch.tensor(slots) for _, slots in held]  # op i, vector row j -> slot
+
+    def forget(self, request) -> None:
+        for site, slots in self.owned.pop(id(request), ()):
+            site.free.extend(slots)
+
+    # ---- per step: outside the graph ---------------------------------------------------
+    def fill(self, active: list, positions: torch.Tensor | None) -> None:
+        """This step's row maps from the runtime's ``active`` [(request, s, e)]."""
+        for tap in self.taps.values():
+            tap.readers = []
+        work: dict[int, tuple[list, list]] = {}
+        for request, s, e in active:
+            if request.error is not None:
+                continue
+            for address in request.plan.reads:
+                tap = self.taps[address]
+                tap.readers.append((request, s, e))
+            for i, op in enumerate(request.plan.writes):
+                sel = select_rows(op.positions, op.per_position, positions[s:e], request.prompt_len)
+                if sel.empty:
+                    continue
+                held = request.static_slots[i]
+                rows = torch.arange(s, e) if sel.rows is None else sel.rows + s
+                slots = (held[:1].expand(rows.numel()) if sel.vector_rows is None
+                         else held.index_select(0, sel.vector_rows))
+                entry = work.setdefault(id(self.sites[op.address]), ([], []))
+                entry[0].append(rows)
+                entry[1].append(slots)
+        for tap in self.taps.values():
+            self._fill_tap(tap)
+        for site in self.sites.values():
+            self._fill_site(site, work.get(id(site)))
+
+    def _fill_tap(self, tap: _Tap) -> None:
+        if tap.used:
+            tap.dest[:tap.used].fill_(self.max_tokens)
+        if not tap.readers:
+            if tap.used:
+                tap.count.zero_()
+            tap.used = 0
+            return
+        spans = sorted({(s, e) for _, s, e in tap.readers})
+        rows = torch.cat([torch.arange(s, e) for s, e in spans])
+        k = rows.numel()
+        tap.rows[:k].copy_(rows)
+        tap.dest.index_copy_(0, rows.to(self.device), torch.arange(k, device=self.device))
+        tap.count.fill_(k)
+        tap.used = int(rows.max()) + 1
+        offsets, at = {}, 0
+        for s, e in spans:
+            offsets[(s, e)] = at
+            at += e - s
+        tap.readers = [(request, s, e, offsets[(s, e)]) for request, s, e in tap.readers]
+
+    def _fill_site(self, site: _Site, entry) -> None:
+        if site.used:
+            site.slot_of[:site.used].zero_()
+        if entry is None:
+            if site.used:
+                site.count.zero_()
+            site.used = 0
+            return
+        rows, slots = torch.cat(entry[0]), torch.cat(entry[1])
+        k = rows.numel()
+        site.rows[:k].copy_(rows)
+        site.slots[:k].copy_(slots)
+        site.slot_of.index_copy_(0, rows.to(self.device), slots.to(self.device))
+        site.count.fill_(k)
+        site.used = int(rows.max()) + 1
+
+    def drain(self, put: Callable[[Any, Address, torch.Tensor, int, int], None]) -> None:
+        """After the forward: each reader's rows leave the buffers (``put(request, address,
+        rows, s, e)``)."""
+        for tap in self.taps.values():
+            if not tap.readers:
+                continue
+            k = int(tap.count[0])
+            rows = stored(tap.buf[:k])
+            for request, s, e, offset in tap.readers:
+                put(request, tap.address, rows[offset:offset + e - s], s, e)
+            tap.readers = []
+
+
+# ---- the wrappers Dynamo traces ------------------------------------------------------------
+
+def _wrap(module: nn.Module, make: Callable, work: dict) -> None:
+    original = module.forward  # the bound method of this instance's class
+    module.forward = make(original, work)
+
+
+def _run_point(work: dict, source: str, x: torch.Tensor, base: torch.Tensor | None) -> None:
+    """Writes at ``source`` (in place), then its taps: the hook path's order."""
+    for site in work.get(("w", source), ()):
+        site.run(x, base)
+    for tap in work.get(("r", source), ()):
+        tap.run(x, base)
+
+
+def _layer_forward(original: Callable, work: dict) -> Callable:
+    has_in = ("w", "layer_in") in work or ("r", "layer_in") in work
+
+    def forward(positions, hidden_states, residual, *args, **kwargs):
+        if has_in:
+            if ("w", "layer_in") in work and residual is None:
+                hidden_states = hidden_states.clone()  # layer 0: never write into vLLM's input buffer
+            _run_point(work, "layer_in", hidden_states, residual)
+        h, r = original(positions, hidden_states, residual, *args, **kwargs)
+        # eager order: the MLP's output (h) is written and read first; resid_post = h + r after
+        _run_point(work, "layer_h", h, None)
+        _run_point(work, "layer_r", r, None)
+        _run_point(work, "layer_sum", h, r)
+        return h, r
+
+    return forward
+
+
+def _module_forward(original: Callable, work: dict) -> Callable:
+    def forward(*args, **kwargs):
+        if ("w", "fused_in_sum") in work or ("r", "fused_in_sum") in work:  # norm(x, residual)
+            args = list(args)
+            x = args[0]
+            residual = args[1] if len(args) > 1 else kwargs.get("residual")
+            _run_point(work, "fused_in_sum", x, residual)
+        out = original(*args, **kwargs)
+        first = out[0] if isinstance(out, tuple) else out
+        _run_point(work, "module_out", first, None)
+        return out
+
+    return forward
+
+
+def compilation_counts() -> dict:
+    """vLLM's and Dynamo's compile counters in this process (for checks: no recompiles)."""
+    from torch._dynamo.utils import counters
+    from vllm.compilation.counter import compilation_counter
+
+    return {"dynamo_unique_graphs": int(counters["stats"]["unique_graphs"]),
+            "dynamo_graph_breaks": int(sum(counters["graph_break"].values())),
+            "vllm_aot_compiles": int(getattr(compilation_counter, "num_aot_compiles", 0)),
+            "vllm_aot_loaded": int(getattr(compilation_counter, "num_aot_artifacts_loaded", 0)),
+            "vllm_graphs_seen": int(compilation_counter.num_graphs_seen),
+            "vllm_backend_compilations": int(compilation_counter.num_backend_compilations),
+            "vllm_inductor_compiles": int(getattr(compilation_counter, "num_inductor_compiles", 0))}
