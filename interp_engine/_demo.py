@@ -19,6 +19,7 @@ ANSWER, STEERED_ANSWER = " Paris", " Berlin"
 TEMPLATES = ("The capital of {} is", "I flew to {} and landed in", "People in {} visit")
 POSITIVE = tuple(t.format("Germany") for t in TEMPLATES)
 NEGATIVE = tuple(t.format("France") for t in TEMPLATES)
+LATE_PROMPT, LATE_ANSWER = "The opposite of hot is", " cold"
 MORE = ("The opposite of hot is", "The capital of Japan is", "Counting: three four five")
 
 
@@ -46,16 +47,23 @@ def _token_id(model, text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ._api import generate_stream, steer
-    from ._cli_generate import mean_difference
-    from ._cli_lens import lens
-    from ._plan import SteerSpec
-
     out = pathlib.Path(args.out)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--out {args.out}: exists and is not a folder")
     out.mkdir(parents=True, exist_ok=True)
     model = load(args)
+    try:
+        return _tour(model, args, out)
+    finally:
+        model.close()
+
+
+def _tour(model, args: argparse.Namespace, out: pathlib.Path) -> int:
+    from ._api import generate_stream, steer
+    from ._cli_generate import mean_difference
+    from ._cli_lens import lens
+    from ._plan import SteerSpec
+
     print(f"== interp_engine demo on {args.backend}: {model.graph.describe()}")
     print(f"   weights: {model.path}")
     tokens = model.to_tokens(PROMPT)
@@ -82,6 +90,10 @@ def run(args: argparse.Namespace) -> int:
 
     lens_file = lens_png(out / "lens.png", seen.top_probs, seen.top_tokens, seen.rows, seen.inputs,
                          f"logit lens: {PROMPT!r}")
+    slower = lens(model, LATE_PROMPT)
+    late = _token_id(model, LATE_ANSWER)
+    print(f"   the same for {LATE_PROMPT!r}, where the answer forms later: p({LATE_ANSWER!r}) by layer "
+          + "  ".join(f"{float(slower.logprobs[r, -1, late].exp()):.3f}" for r in range(len(slower.rows))))
 
     layer = model.n_layers // 2
     at = f"resid_post.{layer}"
