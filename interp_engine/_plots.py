@@ -26,6 +26,7 @@ def _pyplot():
 def _label(text: str) -> str:
     """A token as a readable cell label: visible spaces and newlines, at most 10 characters."""
     shown = text.replace("\n", "\\n").replace("\t", "\\t").replace(" ", "\u2423")
+    shown = "".join(ch if ch.isprintable() else f"\\x{ord(ch):02x}" for ch in shown)
     return shown if len(shown) <= 10 else shown[:9] + "\u2026"
 
 
