@@ -42,8 +42,8 @@ def _final_probs(model, tokens, ids: list[int]) -> list[float]:
 
 
 def _token_id(model, text: str) -> int:
-    ids = model.to_tokens(text)[0].tolist()
-    return ids[0]
+    """The first token of ``text`` on its own (no BOS: llama and gemma2 prepend one)."""
+    return model.tok.hf(text, add_special_tokens=False)["input_ids"][0]
 
 
 def run(args: argparse.Namespace) -> int:
