@@ -80,3 +80,20 @@ def test_the_demo_model_on_vllm_gives_the_eager_answers(demo):
         assert torch.equal(torch.tensor(model.d_vocab), torch.tensor(demo.d_vocab))
     finally:
         model.close()
+
+
+def test_training_is_deterministic_and_keyed_by_its_recipe(tmp_path):
+    """Two trainings of the same (shortened) recipe write the same bytes; another recipe
+    gets another directory."""
+    import dataclasses
+
+    from interp_engine._demo_model import _RECIPE
+
+    short = dataclasses.replace(_RECIPE, steps=3)
+    a = demo_model(root=tmp_path / "a", progress=False, _recipe=short)
+    b = demo_model(root=tmp_path / "b", progress=False, _recipe=short)
+    assert a.name == b.name
+    assert (a / "model.safetensors").read_bytes() == (b / "model.safetensors").read_bytes()
+    other = demo_model(root=tmp_path / "a", progress=False, _recipe=dataclasses.replace(short, seed=8))
+    assert other.name != a.name
+    assert (other / "model.safetensors").read_bytes() != (a / "model.safetensors").read_bytes()
