@@ -129,7 +129,7 @@ def peers(repeats: int) -> list[tuple[str, str, float]]:
     out = subprocess.run([str(python), str(HERE / "peers.py"), json.dumps(paths), str(repeats)],
                          env=env, check=True, capture_output=True, text=True)
     if " failed:" in out.stderr:  # a peer that broke says why, and gets no row
-        sys.stderr.write(out.stderr[out.stderr.index(" failed:") - 20:])
+        sys.stderr.write(out.stderr[max(0, out.stderr.rfind("\n", 0, out.stderr.index(" failed:"))):])
     return [tuple(row) for row in json.loads(out.stdout.strip().splitlines()[-1])]
 
 
