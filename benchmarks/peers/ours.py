@@ -134,17 +134,18 @@ def peers(repeats: int) -> list[tuple[str, str, float]]:
 
 
 def table(rows: list[tuple[str, str, float]]) -> None:
-    floors = {}
-    for work, name, value in rows:
-        if name.startswith("plain"):
-            floors.setdefault(work, value)
-    print(f"| workload | tool | median ms | ratio to plain |\n| --- | --- | ---: | ---: |")
-    order = list(dict.fromkeys(work for work, _, _ in rows))
-    for work in order:
+    """One line per tool and workload; the ratio divides by the floor timed in the same
+    process and the same interleaved rounds (the nearest 'plain' row above it)."""
+    print("| workload | tool | median ms | ratio to plain |\n| --- | --- | ---: | ---: |")
+    for work in dict.fromkeys(w for w, _, _ in rows):
+        floor = None
         for w, name, value in rows:
-            if w == work:
-                ratio = f"{value / floors[work]:.2f}" if work in floors else "-"
-                print(f"| {work} | {name} | {value * 1e3:.1f} | {ratio} |")
+            if w != work:
+                continue
+            if name.startswith("plain"):
+                floor = value
+            ratio = f"{value / floor:.2f}" if floor else "-"
+            print(f"| {work} | {name} | {value * 1e3:.1f} | {ratio} |")
 
 
 def main() -> None:

@@ -1,7 +1,8 @@
 """The peers' side, run with benchmarks/peers/.venv/bin/python (TransformerLens and nnsight live
 there, never in the project's environment): the same workloads as ours.py on the same model
-directories. Usage: peers.py '{"tiny": PATH, "bench": PATH}' REPEATS. Prints one JSON line of
-[workload, tool, median seconds] rows; a peer that fails gets no row and a note on stderr."""
+directories. Usage: peers.py '{"tiny": PATH, "bench": PATH}' REPEATS. Each peer is timed interleaved with
+plain HF in this process (its floor). Prints one JSON line of [workload, tool, median seconds]
+rows; a peer that fails gets no row and a note on stderr."""
 
 from __future__ import annotations
 
@@ -26,6 +27,44 @@ def _vector(d_model: int) -> torch.Tensor:
     return v / v.norm()
 
 
+def _hf(path: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+def _plain_forward(hf, ids):
+    def run():
+        with torch.no_grad():
+            hf(input_ids=ids, use_cache=False)
+    return run
+
+
+def _plain_generate(hf, tokens):
+    def run():
+        with torch.no_grad():
+            hf.generate(tokens, max_new_tokens=GEN_TOKENS, min_new_tokens=GEN_TOKENS, do_sample=False)
+    return run
+
+
+def _plain_steered(hf, tokens, vector):
+    def add(module, args, out):
+        if isinstance(out, tuple):
+            return (out[0] + STEER_SCALE * vector,) + out[1:]
+        return out + STEER_SCALE * vector
+
+    def run():
+        handle = hf.model.layers[STEER_LAYER].register_forward_hook(add)
+        try:
+            _plain_generate(hf, tokens)()
+        finally:
+            handle.remove()
+    return run
+
+
+PLAIN = "plain HF (peers' venv)"
+
+
 def transformer_lens(paths: dict, repeats: int) -> list:
     from transformer_lens.model_bridge import TransformerBridge
 
@@ -40,7 +79,8 @@ def transformer_lens(paths: dict, repeats: int) -> list:
             with torch.no_grad():
                 bridge.run_with_cache(ids, names_filter=keep)
 
-        m = medians({"TransformerLens run_with_cache": capture}, repeats)
+        m = medians({PLAIN: _plain_forward(_hf(paths[variant]), ids),
+                     "TransformerLens run_with_cache": capture}, repeats)
         rows += [(f"capture resid_post x{n}, {variant} {batch}x{pos}", k, v) for k, v in m.items()]
     bridge = TransformerBridge.boot_transformers(paths["tiny"], device="cpu")
     tokens = bridge.tokenizer(PROMPT, return_tensors="pt")["input_ids"]
@@ -56,10 +96,12 @@ def transformer_lens(paths: dict, repeats: int) -> list:
             gen()
 
     reps = max(3, repeats // 4)
+    hf = _hf(paths["tiny"])
     rows += [(f"generate {GEN_TOKENS} tokens, tiny", k, v)
-             for k, v in medians({"TransformerLens generate": gen}, reps).items()]
+             for k, v in medians({PLAIN: _plain_generate(hf, tokens), "TransformerLens generate": gen}, reps).items()]
     rows += [(f"steered generate {GEN_TOKENS} tokens, tiny", k, v)
-             for k, v in medians({"TransformerLens hooks + generate": steered}, reps).items()]
+             for k, v in medians({PLAIN: _plain_steered(hf, tokens, vector),
+                                  "TransformerLens hooks + generate": steered}, reps).items()]
     return rows
 
 
@@ -82,7 +124,7 @@ def nnsight_rows(paths: dict, repeats: int) -> list:
                 saved = nnsight.save([layers[i].output for i in range(n)])
             return saved
 
-        m = medians({"nnsight trace + save": capture}, repeats)
+        m = medians({PLAIN: _plain_forward(_hf(paths[variant]), ids), "nnsight trace + save": capture}, repeats)
         rows += [(f"capture resid_post x{n}, {variant} {batch}x{pos}", k, v) for k, v in m.items()]
     model = LanguageModel(paths["tiny"], device_map="cpu", dispatch=True)
     tokens = model.tokenizer(PROMPT, return_tensors="pt")["input_ids"]
@@ -102,9 +144,12 @@ def nnsight_rows(paths: dict, repeats: int) -> list:
         return out
 
     reps = max(3, repeats // 4)
-    rows += [(f"generate {GEN_TOKENS} tokens, tiny", k, v) for k, v in medians({"nnsight generate": gen}, reps).items()]
+    hf = _hf(paths["tiny"])
+    rows += [(f"generate {GEN_TOKENS} tokens, tiny", k, v)
+             for k, v in medians({PLAIN: _plain_generate(hf, tokens), "nnsight generate": gen}, reps).items()]
     rows += [(f"steered generate {GEN_TOKENS} tokens, tiny", k, v)
-             for k, v in medians({"nnsight generate + iter edit": steered}, reps).items()]
+             for k, v in medians({PLAIN: _plain_steered(hf, tokens, vector),
+                                  "nnsight generate + iter edit": steered}, reps).items()]
     return rows
 
 
