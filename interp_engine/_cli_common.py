@@ -18,10 +18,16 @@ def add_model_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--model", default="demo",
         help="'demo' (the built-in trained tiny Qwen3, the default), 'tiny:ARCH' (a random-weight "
-             "test model: qwen3, llama, gemma2, qwen3_moe, deepseek_v4), a model directory, or a "
+             f"test model: {', '.join(_tiny_archs())}), a model directory, or a "
              "hub name already in the local Hugging Face cache")
-    parser.add_argument("--backend", default="eager", choices=("eager", "vllm"),
+    parser.add_argument("--backend", default="eager", choices=("eager", "vllm", "vllm-static"),
                         help="where the model runs (default: eager)")
+
+
+def _tiny_archs() -> tuple[str, ...]:
+    from .testing import TINY_ARCHS  # derived from the spec registry
+
+    return TINY_ARCHS
 
 
 def resolve_model(name: str):

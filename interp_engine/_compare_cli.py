@@ -2,8 +2,7 @@
 compared, the report printed (and a per-layer PNG on request). Exit status 0 when every output
 agrees within the tolerance, 1 otherwise.
 
-Wiring (cli.py): ``add_compare_parser(subparsers)`` registers the subcommand with
-``run_compare`` as its ``func`` default; the demo's ``--compare-vllm`` is
+A row of cli.COMMANDS (``add_arguments`` and ``run``); the demo's ``--compare-vllm`` is
 ``print_backend_comparison(path, tokens, points, max_tokens)``.
 """
 
@@ -11,16 +10,14 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["add_compare_parser", "print_backend_comparison", "run_compare"]
+from ._cli_common import UsageError
+
+__all__ = ["add_arguments", "print_backend_comparison", "run"]
 
 _DTYPES = ("float32", "bfloat16", "float16")
 
 
-def add_compare_parser(subparsers) -> argparse.ArgumentParser:
-    p = subparsers.add_parser(
-        "compare", help="run captures and greedy generation on several backends and report the differences",
-        description="Load MODEL once per backend, capture POINTS on PROMPT and generate greedily, and "
-                    "print how far each backend is from the first one.")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True,
                    help="model name or directory (a tiny test architecture as tiny:qwen3)")
     p.add_argument("--backends", default="eager,vllm", help="comma-separated, the first is the reference "
@@ -34,8 +31,6 @@ def add_compare_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--tolerance", type=float, default=None,
                    help="scale-relative tolerance (default: from the dtype and depth)")
     p.add_argument("--plot", default=None, metavar="PNG", help="write the per-layer relative difference here")
-    p.set_defaults(func=run_compare)
-    return p
 
 
 def _points(model, spec: str) -> list:
@@ -96,14 +91,14 @@ def print_backend_comparison(path, tokens, points, max_tokens: int = 8, backends
             model.close()
 
 
-def run_compare(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     from . import compare, load_model
 
     backends = [b.strip() for b in args.backends.split(",") if b.strip()]
     if len(backends) < 2:
-        raise SystemExit(f"--backends needs two or more, got {args.backends!r} (e.g. eager,vllm)")
+        raise UsageError(f"--backends needs two or more, got {args.backends!r} (e.g. eager,vllm)")
     if args.max_tokens < 0:
-        raise SystemExit(f"--max-tokens must be >= 0, got {args.max_tokens}")
+        raise UsageError(f"--max-tokens must be >= 0, got {args.max_tokens}")
     path = _path(args.model)
     models = {}
     try:

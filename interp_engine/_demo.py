@@ -132,25 +132,15 @@ def _tour(model, args: argparse.Namespace, out: pathlib.Path) -> int:
 
 
 def _compare(path, tokens) -> None:
-    """The same captures and greedy tokens inside vLLM, against eager."""
+    """The same captures and greedy tokens inside vLLM, against eager (interp_engine.compare)."""
     import importlib.util
 
-    from ._api import generate_stream, run_with_cache
+    from ._compare_cli import print_backend_comparison
     from ._model import load_model
 
     print("\n== the same numbers inside vLLM")
     if importlib.util.find_spec("vllm") is None:
         print("   vllm is not installed here (INTERP_ENGINE_SKIP_VLLM=1 set-up)")
         return
-    eager, vllm = load_model(path), load_model(path, backend="vllm")
-    points = [f"resid_post.{layer}" for layer in range(eager.n_layers)]
-    ce, cv = run_with_cache(eager, tokens, points), run_with_cache(vllm, tokens, points)
-    for point in points:
-        diff = float((ce[point] - cv[point]).abs().max())
-        print(f"   {point:<14} max |eager - vllm| {diff:.2e}   (scale {float(ce[point].abs().max()):.1f})")
-    es = list(generate_stream(eager, tokens, max_tokens=8, temperature=0.0, n_logprobs=1))
-    vs = list(generate_stream(vllm, tokens, max_tokens=8, temperature=0.0, n_logprobs=1))
-    worst = max(abs(a.logprobs[0]["logprob"] - b.logprobs[0]["logprob"]) for a, b in zip(es, vs))
-    same = [s.token_id for s in es] == [s.token_id for s in vs]
-    print(f"   greedy tokens equal: {same}; worst top-1 logprob difference {worst:.2e}")
-    vllm.close()
+    n_layers = load_model(path).n_layers
+    print_backend_comparison(path, tokens, [f"resid_post.{layer}" for layer in range(n_layers)], 8)

@@ -40,6 +40,10 @@ COMMANDS: list[Command] = [
             "interp_engine._cli_generate"),
     Command("points", "the points a model has, and which this backend serves (and why not)",
             "interp_engine._cli_points"),
+    Command("compare", "one model on several backends: captures and greedy tokens, the differences",
+            "interp_engine._compare_cli"),
+    Command("serve", "vLLM's OpenAI-compatible server with steering and capture per request",
+            "interp_engine._cli_serve"),
 ]
 
 
@@ -77,7 +81,16 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passthrough: list[str] = []
+    if "--" in argv:  # what follows goes to the engine as it is (serve: vLLM's server options)
+        at = argv.index("--")
+        argv, passthrough = argv[:at], argv[at + 1:]
     args = parser.parse_args(argv)
+    if passthrough:
+        if not hasattr(args, "passthrough"):
+            parser.error(f"{args.command} takes no options after --")
+        args.passthrough = passthrough
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")  # our output, not vLLM's start-up log
     from transformers.utils import logging as hf_logging
 

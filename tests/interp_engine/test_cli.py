@@ -29,7 +29,7 @@ def test_register_adds_one_row_and_refuses_a_taken_name(monkeypatch):
 
 @pytest.mark.parametrize("argv, says", [
     (["lens", "--model", "tiny:qwen3", "--prompt", "x", "--png", "out.jpg"], "must end in .png"),
-    (["lens", "--model", "tiny:gpt2", "--prompt", "x"], "unknown tiny architecture"),
+    (["lens", "--model", "tiny:gpt5", "--prompt", "x"], "unknown tiny architecture"),
     (["lens", "--model", "/no/such/model", "--prompt", "x"], "not found"),
     (["generate", "--model", "tiny:qwen3", "--prompt", "x", "--steer", "/no/such.pt"], "no such file"),
     (["generate", "--model", "tiny:qwen3", "--prompt", "x", "--at", "resid_post.99",
@@ -134,3 +134,30 @@ def test_points_names_what_each_backend_refuses(capsys):
     vllm = capsys.readouterr().out
     line = next(x for x in vllm.splitlines() if x.strip().startswith("pattern "))
     assert "refused: attention_pattern" in line and "Instead" in line
+
+
+def test_serve_prints_vllms_server_with_the_runtime_and_passes_options_after_the_separator(capsys, tmp_path):
+    pytest.importorskip("vllm")
+    from interp_engine.testing import tiny_model
+
+    vectors = tmp_path / "v.safetensors"
+    vectors.write_bytes(b"")
+    assert main(["serve", "tiny:qwen3", "--port", "8123", "--vectors", str(vectors), "--print-command",
+                 "--", "--dtype", "float32"]) == 0
+    line = capsys.readouterr().out.strip()
+    assert "vllm.entrypoints.openai.api_server" in line and str(tiny_model("qwen3")) in line
+    assert "--worker-extension-cls bridge.vllm.worker.InterpWorkerExtension" in line
+    assert "--port 8123" in line and line.endswith("--dtype float32")
+
+
+def test_serve_and_points_refuse_what_they_cannot_take(capsys, tmp_path):
+    pytest.importorskip("vllm")
+    assert main(["serve", "tiny:qwen3", "--vectors", str(tmp_path / "none.safetensors"), "--print-command"]) == 2
+    assert "--vectors" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["points", "--model", "tiny:qwen3", "--", "x"])
+
+
+def test_compare_refuses_one_backend(capsys):
+    assert main(["compare", "--model", "tiny:qwen3", "--backends", "eager"]) == 2
+    assert "two or more" in capsys.readouterr().err
