@@ -4,7 +4,6 @@ the CLI, and eager against vLLM."""
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 
 import pytest
@@ -12,7 +11,7 @@ import torch
 
 from interp_engine import (Address, GenStep, SteerSpec, assert_backends_agree, compare, default_tolerance,
                            generate_stream, load_model, run_with_cache, steer)
-from interp_engine._compare_cli import add_compare_parser
+from interp_engine.cli import main as cli_main
 from interp_engine.testing import tiny_model
 
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
@@ -135,12 +134,9 @@ def test_tolerance_grows_with_depth_and_with_coarser_dtypes():
 
 
 def test_the_cli_prints_the_report_and_exits_by_its_verdict(capsys, tmp_path):
-    parser = argparse.ArgumentParser()
-    add_compare_parser(parser.add_subparsers(dest="command"))
-    args = parser.parse_args(["compare", "--model", "tiny:qwen3", "--backends", "eager,eager",
-                              "--points", "resid_post,attn_out.1", "--max-tokens", "3",
-                              "--plot", str(tmp_path / "p.png")])
-    assert args.func(args) == 0
+    assert cli_main(["compare", "--model", "tiny:qwen3", "--backends", "eager,eager",
+                     "--points", "resid_post,attn_out.1", "--max-tokens", "3",
+                     "--plot", str(tmp_path / "p.png")]) == 0
     out = capsys.readouterr().out
     assert "PASS" in out and "cache/attn_out.1" in out and "greedy/tokens" in out
     assert (tmp_path / "p.png").exists()
