@@ -140,6 +140,10 @@ class VllmBackend:
             **({"model_impl": spec.vllm_model_impl} if spec.vllm_model_impl else {}),
             **engine_kwargs,
         )
+        if (not torch.cuda.is_available() and "kv_cache_memory_bytes" not in engine_kwargs
+                and not os.environ.get("VLLM_CPU_KVCACHE_SPACE")):
+            # vLLM's CPU backend otherwise reserves most of the machine's memory for KV cache
+            self._kwargs["kv_cache_memory_bytes"] = 1 << 30
         self._llm = None
         self._lock = threading.RLock()  # one caller inside the engine at a time
         self._wake = threading.Condition()
@@ -168,7 +172,6 @@ class VllmBackend:
             if self._llm is not None:
                 return self._llm
             if not torch.cuda.is_available():
-                os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
                 if self.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
                     binding = _cpu_binding(self.tensor_parallel_size)
                     if binding:
