@@ -49,7 +49,7 @@ EAGER: dict[str, list[str]] = {
     f"{L}::test_transforms_never_mutate_their_inputs[qwen3]": ["spec_aliases_caller_vector"],
     f"{L}::test_address_parse_format_round_trips": ["format_drops_stream"],
     f"{L}::test_every_invalid_address_string_raises": ["parse_error_unnamed"],
-    f"{L}::test_vllm_static_is_refused_by_name": ["static_refused_unnamed"],
+    f"{L}::test_vllm_static_refuses_points_it_cannot_compile_in_by_name": ["static_refused_unnamed"],
     f"{S}::test_capture_page[eager]": ["capture_scaled", "capture_wrong_layer"],
     f"{S}::test_capture_while_generating[eager]": ["capture_stale_decode", "capture_scaled"],
     f"{S}::test_batch_moe_heads_and_gradients_on_eager": ["expert_weights_dropped", "capture_scaled"],
