@@ -21,14 +21,13 @@ below); prefix caching is off and the engine eager, as the hook-based runtime ne
 
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
 import os
 import sys
 import uuid
 
-__all__ = ["CaptureMiddleware", "main", "serve_command"]
+__all__ = ["CaptureMiddleware", "serve_command"]  # the command line: interp-engine serve
 
 _ROUTES = ("/v1/completions", "/v1/chat/completions")
 
@@ -175,17 +174,3 @@ def serve_command(model: str, vectors: str | None = None, capture_dir: str | Non
         *(extra or []),
     ]
     return command, env
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="interp-engine serve", description=__doc__.split("\n\n")[0])
-    parser.add_argument("model", help="a model directory, or a hub name in the local HF cache")
-    parser.add_argument("--vectors", help="a safetensors file of named steering vectors "
-                                          "(metadata {name: point} gives each a default point)")
-    parser.add_argument("--capture-dir", default="interp_captures", help="where capture files are written")
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000)
-    args, extra = parser.parse_known_args(argv)
-    command, env = serve_command(args.model, args.vectors, args.capture_dir, args.host, args.port, extra)
-    os.execve(command[0], command, env)
-    return 0  # not reached
