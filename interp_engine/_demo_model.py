@@ -14,9 +14,7 @@ as the eager backend.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import fcntl
 import hashlib
 import json
 import math
@@ -24,7 +22,6 @@ import os
 import pathlib
 import shutil
 import tempfile
-from collections.abc import Iterator
 from typing import Any
 
 __all__ = ["CAPITALS", "OPPOSITES", "demo_corpus", "demo_model"]
@@ -187,20 +184,10 @@ def _train(directory: pathlib.Path, recipe: _Recipe, progress: bool) -> None:
     (directory / "demo_recipe.json").write_text(json.dumps(dataclasses.asdict(recipe), indent=1) + "\n")
 
 
-@contextlib.contextmanager
-def _locked(lock_path: pathlib.Path) -> Iterator[None]:
-    with open(lock_path, "a") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 def demo_model(*, root: str | os.PathLike[str] | None = None, progress: bool = True,
                _recipe: Any = None) -> pathlib.Path:
     """Path of the trained demo model directory, training it on first use (cached after)."""
-    from .testing import default_root
+    from .testing import _locked, default_root  # the same build lock as the tiny test models
 
     recipe = _recipe or _RECIPE
     base = pathlib.Path(root) if root is not None else default_root()
