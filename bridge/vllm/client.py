@@ -255,6 +255,12 @@ class VllmBackend:
                 point = POINTS[address.name]
                 return CapabilityUnsupported(point.capability or "vllm_architecture", self.name,
                                              detail=f"point {address}")
+        for op in plan.writes:
+            name = op.address.name
+            if name not in self.spec.vllm and name not in self.spec.vllm_writes:
+                point = POINTS[name]
+                return CapabilityUnsupported(point.capability or "vllm_architecture", self.name,
+                                             detail=f"a write at {op.address}")
         return None
 
     # ---- requests -----------------------------------------------------------------------
