@@ -261,6 +261,12 @@ class VllmBackend:
                 point = POINTS[name]
                 return CapabilityUnsupported(point.capability or "vllm_architecture", self.name,
                                              detail=f"a write at {op.address}")
+            tap = self.spec.vllm_writes.get(name) or self.spec.vllm[name]
+            if tap.sharded and self.tensor_parallel_size > 1:
+                return CapabilityUnsupported(
+                    "vllm_architecture", self.name, detail=f"a write at {op.address} with tensor_parallel_size="
+                    f"{self.tensor_parallel_size}", why="each rank holds only its own heads of this point",
+                    instead="load with tensor_parallel_size=1 to write heads, or steer a residual-width point")
         return None
 
     # ---- requests -----------------------------------------------------------------------
