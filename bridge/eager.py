@@ -173,8 +173,13 @@ class EagerBackend:
             return
         tap = self._tap(op.address.name)
         cols = self._columns(op, tap)
-        hooks.write(self.module(tap.module_path(layer)), tap.how,
-                    lambda x: apply_write(kind, x, vec, sel, cols=cols))
+
+        def write(x):
+            if x.dim() == 3:
+                return apply_write(kind, x, vec, sel, cols=cols)
+            # already split per head ([batch, pos, heads, d_head]: Qwen3's q_norm): one row per position
+            return apply_write(kind, x.flatten(2), vec, sel, cols=cols).view_as(x)
+        hooks.write(self.module(tap.module_path(layer)), tap.how, write)
 
     def _columns(self, op: SteerOp, tap: Tap) -> torch.Tensor | None:
         """The columns of the hooked tensor an op writes: its selected heads or neurons, placed

@@ -230,6 +230,19 @@ def test_head_writes_on_q_and_v_inside_fused_qkv(eager_models):
     want = hf_logits(neox, ids, [(neox.hf.gpt_neox.layers[0].attention.query_key_value, "out", neox_ref)])
     torch.testing.assert_close(_logits(neox, ids, spec), want, **TOL)
 
+    qwen3 = eager_models["qwen3"]  # q and k after the per-head norms, already [batch, pos, heads, d_head]
+    ids = _ids(qwen3)
+
+    def qwen3_ref(x):
+        out = x.clone()
+        out[:, 1:3, 1] *= 0.5
+        return out
+    attn = qwen3.hf.model.layers[1].self_attn
+    want = hf_logits(qwen3, ids, [(attn.q_norm, "out", qwen3_ref), (attn.k_norm, "out", qwen3_ref)])
+    spec = SteerSpec.scale("q.1", 0.5, positions=(1, 2), heads=[1]) | SteerSpec.scale("k.1", 0.5, positions=(1, 2),
+                                                                                      heads=[1])
+    torch.testing.assert_close(_logits(qwen3, ids, spec), want, **TOL)
+
     llama = eager_models["llama"]
     ids = _ids(llama)
     ref = on_heads(lambda s, h: s * 0, llama.graph.n_heads, [1])
