@@ -167,8 +167,8 @@ class SteerOp:
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise TypeError(f"scale at {site} must be a real number, got {scale!r}")
         if not math.isfinite(float(scale)):
-            raise ValueError(f"scale at {site} must be finite, got {scale!r}: pass a finite number "
-                             "(0 leaves the model unchanged)")
+            hint = " (0 leaves the model unchanged)" if op == "add" else ""
+            raise ValueError(f"scale at {site} must be finite, got {scale!r}: pass a finite number{hint}")
         if op in VECTORLESS:
             if vector is not None:
                 raise ValueError(f"{op} at {site} takes no vector")
