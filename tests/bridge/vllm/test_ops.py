@@ -177,9 +177,8 @@ def test_writes_at_points_vllm_does_not_serve_are_refused_or_exact(pair):
             run_with_cache(vllm, ids, [], steer=spec)
         with pytest.raises(CapabilityUnsupported, match="mlp_act.0"):
             steered(vllm, spec)
-    if "q" not in served:
-        with pytest.raises(CapabilityUnsupported, match=r"write at q\.0"):
-            run_with_cache(vllm, ids, [], steer=SteerSpec.zero("q.0", heads=[1]))
+    with pytest.raises(CapabilityUnsupported, match=r"write at q\.0"):  # served or not: a fused projection
+        run_with_cache(vllm, ids, [], steer=SteerSpec.zero("q.0", heads=[1]))
     source = run_with_cache(eager, torch.cat([ids, ids]), ["resid_post.0"])
     with pytest.raises(ValueError, match="source of 2 rows"):
         run_with_cache(vllm, ids, [], steer=SteerSpec.patch("resid_post.0", source))
