@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
@@ -23,7 +24,7 @@ from interp_engine._address import Address
 from interp_engine._backend import RawStep
 from interp_engine._graph import GradSupport, ModelGraph
 from interp_engine._ops import apply_write, reshape_point, select_rows
-from interp_engine._plan import Plan, SteerOp
+from interp_engine._plan import Plan, SteerOp, unit_count
 from interp_engine._sampler import new_generator, sample_token
 from interp_engine._sampling import SamplingConfig
 from interp_engine._tokens import TokenBatch
@@ -91,7 +92,13 @@ class EagerBackend:
                            "from the embeddings on, so gradients reach every captured tensor")
 
     def refusal(self, plan: Plan, batch: TokenBatch | None, *, gradients: bool = False):
-        """Nothing in a valid plan is refused on eager."""
+        """Nothing in a valid plan is refused on eager, except a patch whose source holds a
+        different number of prompts than the run."""
+        for op in plan.writes:
+            if op.batched:
+                rows = op._vector.shape[0]
+                if batch is not None and len(batch) != rows:
+                    return _batched_patch(op, f"a run of {len(batch)} prompts")
         return None
 
     # ---- lowering ---------------------------------------------------------------
@@ -165,8 +172,32 @@ class EagerBackend:
                         lambda x, sink=sink: apply_write(kind, x, vec, sel, base=sink[-1]))
             return
         tap = self._tap(op.address.name)
-        hooks.write(self.module(tap.module_path(layer)), tap.how,
-                    lambda x: apply_write(kind, x, vec, sel))
+        cols = self._columns(op, tap)
+
+        def write(x):
+            if x.dim() == 3:
+                return apply_write(kind, x, vec, sel, cols=cols)
+            # already split per head ([batch, pos, heads, d_head]: Qwen3's q_norm): one row per position
+            return apply_write(kind, x.flatten(2), vec, sel, cols=cols).view_as(x)
+        hooks.write(self.module(tap.module_path(layer)), tap.how, write)
+
+    def _columns(self, op: SteerOp, tap: Tap) -> torch.Tensor | None:
+        """The columns of the hooked tensor an op writes: its selected heads or neurons, placed
+        inside their part of a fused output (GPT-2's c_attn, Phi-3's gate_up_proj)."""
+        cols = op.column_index
+        if tap.split is None:
+            return None if cols is None else cols.to(self.device)
+        start, stop = tap.split.bounds(self.graph)
+        if cols is None:
+            width = stop - start
+            if tap.split.per is not None:
+                width *= self.graph.dim_size(tap.split.per)
+            cols = torch.arange(width)
+        if tap.split.per is None:
+            return (cols + start).to(self.device)
+        part = stop - start  # one group's share (GPT-NeoX: each head holds its q | k | v)
+        group_width = sum(math.prod(self.graph.dim_size(d) for d in dims) for dims in tap.split.parts)
+        return (cols // part * group_width + start + cols % part).to(self.device)
 
     # ---- running ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -265,6 +296,10 @@ class EagerBackend:
         """Greedy or sampled decoding with the KV cache; one hooked forward per step."""
         from transformers import DynamicCache
 
+        for op in plan.writes:
+            if op.batched:
+                raise _batched_patch(op, "a generation (one prompt)")
+
         if embeds is not None and "hash_moe" in (getattr(self.hf.config, "mlp_layer_types", None) or ()):
             raise ValueError(f"{self.graph.arch} routes its hash-MoE layers by token id, so it cannot "
                              "generate from prompt embeddings: pass token ids instead")
@@ -357,6 +392,13 @@ class EagerBackend:
 
     def close(self) -> None:
         """Nothing to release beyond what garbage collection frees."""
+
+
+def _batched_patch(op: SteerOp, got: str) -> ValueError:
+    rows = op._vector.shape[0]
+    return ValueError(f"the patch at {op.address} comes from a cache of {rows} prompts, so it patches "
+                      f"a run of {rows} prompts row by row; this is {got}: patch from a one-prompt "
+                      "cache, or run as many prompts with run_with_cache")
 
 
 def _zero_pads(address: Address, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from ._api import (
     expert_assignment,
     generate_stream,
     head_contributions,
+    run,
     run_with_cache,
     steer,
 )
@@ -24,6 +25,7 @@ from ._graph import GradSupport, ModelGraph, ResidualBasis
 from ._model import Model, ModelNotFound, Tokenizer, load_model
 from ._plan import Plan, SteerOp, SteerSpec, capture_plan, steer_plan
 from ._points import POINTS, PointSpec
+from ._steered import SteeredModel, steered
 from ._sampling import SAMPLING_FIELDS, SamplingConfig, top_logprobs
 from ._shapes import DIMS, ShapeError
 from ._tl import TL_HOOKS, from_tl
@@ -36,7 +38,8 @@ __all__ = [
     "PointSpec", "ResidualBasis", "SamplingConfig", "SteerOp", "SteerSpec", "TokenBatch",
     "Tokenizer", "active_steering", "capture_generation", "capture_plan", "decode_residuals",
     "expert_assignment", "format_address", "from_tl", "TL_HOOKS", "generate_stream", "head_contributions",
-    "load_model", "parse_address", "run_with_cache", "steer", "steer_plan", "to_address",
+    "load_model", "parse_address", "run", "run_with_cache", "steer", "steer_plan", "steered", "SteeredModel",
+    "to_address",
     "top_logprobs",
 ]
 

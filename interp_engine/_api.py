@@ -21,14 +21,15 @@ from ._address import Address, AddressLike
 from ._cache import Cache
 from ._capabilities import CapabilityUnsupported
 from ._model import Model
-from ._plan import Plan, SteerSpec, capture_plan, steer_plan
+from ._plan import Plan, SteerSpec, capture_plan, check_batch, steer_plan
 from ._sampling import SamplingConfig, sampling_from_params
 from ._shapes import entry
+from ._steered import SteeredModel
 from ._tokens import TokenBatch
 
 __all__ = [
     "Completion", "GenStep", "active_steering", "capture_generation", "decode_residuals",
-    "expert_assignment", "generate_stream", "head_contributions", "run_with_cache", "steer",
+    "expert_assignment", "generate_stream", "head_contributions", "run", "run_with_cache", "steer",
 ]
 
 # What users pass as tokens: ids as an int tensor ([pos] or [batch, pos]), a TokenBatch, or
@@ -66,16 +67,19 @@ def steer(model: Model, spec: SteerSpec) -> Iterator[SteerSpec]:
 
 
 def active_steering(model: Model) -> SteerSpec:
-    """The steering in force for ``model`` in this context (composed in nesting order)."""
-    spec = SteerSpec()
+    """The steering in force for ``model`` in this context (composed in nesting order): a
+    steered view's own spec first, then the ``steer`` blocks entered on it or on the model it
+    views."""
+    spec, base = (model.view_spec, model.base) if isinstance(model, SteeredModel) else (SteerSpec(), model)
     for owner, entry_spec in _ACTIVE.get():
-        if owner is model:
+        if owner is model or owner is base:
             spec = spec | entry_spec
     return spec
 
 
 def _refuse(model: Model, plan: Plan, batch=None, gradients: bool = False) -> None:
     """Raise the backend's CapabilityUnsupported for this plan, before any forward."""
+    check_batch(plan, None if batch is None else len(batch))
     refusal = model.backend.refusal(plan, batch, gradients=gradients)
     if refusal is not None:
         raise refusal
@@ -98,17 +102,19 @@ def _plan(model: Model, points: Sequence[AddressLike] | AddressLike | None,
 
 @entry
 def run_with_cache(model: Model, tokens: Tokens, points: Sequence[AddressLike] | AddressLike,
-                   detach: bool = True, *, return_logits: bool = False):
+                   detach: bool = True, *, return_logits: bool = False, steer: SteerSpec | None = None):
     """Run one forward and capture ``points``; returns a Cache with ``[batch, pos, ...]`` per
     point (only the requested points are kept). With ``return_logits=True`` (eager) returns
     ``(logits, cache)``. ``detach=False`` keeps the autograd graph (eager; see grad_support):
-    gradients reach every captured tensor, also on a model loaded with frozen parameters."""
+    gradients reach every captured tensor, also on a model loaded with frozen parameters.
+    ``steer=spec`` applies a SteerSpec to this forward only (after any active ``steer`` blocks);
+    captures see the steered values."""
     if not isinstance(detach, bool):
         raise TypeError(f"detach must be a bool, got {detach!r}")
     if not isinstance(return_logits, bool):
         raise TypeError(f"return_logits must be a bool, got {return_logits!r}")
     batch = model.batch(tokens)
-    plan = _plan(model, points)
+    plan = _plan(model, points, steer)
     if not detach and not model.grad_support.through_forward:
         raise CapabilityUnsupported("gradients", model.backend_name)
     _refuse(model, plan, batch, gradients=not detach)
@@ -118,6 +124,19 @@ def run_with_cache(model: Model, tokens: Tokens, points: Sequence[AddressLike] |
     values, logits = model.backend.run_with_cache(plan, batch, detach, want_logits=return_logits)
     cache = Cache({a: values[a] for a in plan.reads}, batch.attention_mask, model.graph)
     return (logits, cache) if return_logits else cache
+
+
+def run(model: Model, tokens: Tokens, plan: Plan, detach: bool = True, *, return_logits: bool = False):
+    """Run a composed Plan in one forward: its writes applied (after any active ``steer``
+    blocks), its reads captured (seeing the writes). Returns the Cache (``(logits, cache)``
+    with ``return_logits=True``, eager). Plans compose with ``|``; a user transform is a
+    function from Plan to Plan. The same as ``run_with_cache(model, tokens, plan.reads,
+    steer=plan.steering)``."""
+    if not isinstance(plan, Plan):
+        raise TypeError(f"run takes a Plan, got {type(plan).__name__}: build one with "
+                        "Plan(reads=[...], writes=SteerSpec...) or capture_plan(...) | steer_plan(...)")
+    return run_with_cache(model, tokens, list(plan.reads), detach, return_logits=return_logits,
+                          steer=plan.steering)
 
 
 def _check_context(model: Model, length: int) -> None:

@@ -14,7 +14,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-__all__ = ["OP_MATH", "Selection", "apply_write", "reshape_point", "select_rows", "stored"]
+__all__ = ["AFFINE", "OP_MATH", "Selection", "apply_write", "effective_vector", "reshape_point",
+           "select_rows", "selector_columns", "stored"]
 
 
 class Selection(NamedTuple):
@@ -71,24 +72,98 @@ def _ablate(region, vec, base):  # vec is a unit direction
     return new if base is None else new - base
 
 
-OP_MATH: dict[str, Callable] = {"add": _add, "set": _set, "ablate": _ablate}
+def _zero(region, vec, base):
+    return torch.zeros_like(region) if base is None else -base
+
+
+def _scale(region, vec, base):  # vec is the factor, a 0-d tensor
+    full = region if base is None else region + base
+    new = full * vec.to(region.dtype)
+    return new if base is None else new - base
+
+
+OP_MATH: dict[str, Callable] = {"add": _add, "set": _set, "ablate": _ablate, "zero": _zero,
+                                "mean": _set, "scale": _scale, "patch": _set}
 """op -> f(region, effective vector, base) -> new region. ``base`` (or None) is what the tensor
 being written is offset from the point's value by: the op reads ``region + base`` and the result
-is written back minus ``base`` (vLLM's fused layers carry resid_mid as ``x + residual``)."""
+is written back minus ``base`` (vLLM's fused layers carry resid_mid as ``x + residual``).
+``mean`` and ``patch`` write given values as ``set`` does (a mean vector; another run's values
+per position); ``zero`` writes zeros; ``scale`` multiplies by the factor."""
+
+AFFINE: dict[str, tuple[str, float]] = {"add": ("1", 0.0), "set": ("0", 0.0), "mean": ("0", 0.0),
+                                        "patch": ("0", 0.0), "ablate": ("1", 1.0), "zero": ("0", 0.0),
+                                        "scale": ("factor", 0.0)}
+"""Each op as ``s * x + v - p * (x . u) u`` (what a compiled steering site evaluates): ``s`` is 1,
+0 or the op's factor, ``p`` 1 for a projection. ``v`` is the effective vector for add / set /
+mean / patch and zero for the others; ``u`` the unit direction for ablate."""
+
+
+def affine(kind: str, scale: float) -> tuple[float, float]:
+    s, p = AFFINE[kind]
+    return (float(scale) if s == "factor" else float(s)), p
+
+
+def effective_vector(kind: str, vec: torch.Tensor | None, scale: float,
+                     cols: torch.Tensor | None = None) -> torch.Tensor:
+    """What an op writes with: ``scale * vector`` for add, the unit direction for ablate (the
+    direction restricted to ``cols``, then normalised), the factor (0-d) for scale, nothing
+    (an empty tensor) for zero, the values themselves for set / mean / patch. With ``cols``
+    (a head or neuron selector's columns) the vector keeps only those columns."""
+    if kind == "scale":
+        return torch.tensor(float(scale), dtype=torch.float64 if vec is None else vec.dtype)
+    if kind == "zero":
+        return torch.zeros(0)
+    if cols is not None:
+        vec = vec.index_select(-1, cols.to(vec.device))
+    if kind == "add":
+        return vec * scale
+    if kind == "ablate":
+        norm = vec.norm()
+        if not float(norm.detach()) > 0:
+            raise ValueError("the ablation direction is zero on the selected heads or neurons")
+        return vec / norm
+    return vec
+
+
+def selector_columns(select, unit: tuple[int, ...]) -> torch.Tensor | None:
+    """The columns of a point's flat per-token row (``unit`` its per-token shape, e.g.
+    ``(n_heads, d_head)``) that a selector ``(kind, indices)`` names: whole heads (every
+    ``d_head`` column of each head) or single neurons. None: every column."""
+    if select is None:
+        return None
+    _, indices = select
+    index = torch.as_tensor(indices, dtype=torch.long)
+    inner = 1
+    for size in unit[1:]:
+        inner *= size
+    if inner == 1:
+        return index
+    return (index[:, None] * inner + torch.arange(inner)[None, :]).flatten()
 
 
 def apply_write(kind: str, x: torch.Tensor, vec: torch.Tensor, sel: Selection,
-                base: torch.Tensor | None = None) -> torch.Tensor:
-    """``x`` ``[..., rows, width]`` with op ``kind`` written at ``sel``'s rows; out of place."""
+                base: torch.Tensor | None = None, cols: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` ``[..., rows, width]`` with op ``kind`` written at ``sel``'s rows (and only at
+    columns ``cols`` when given: a head or neuron selector); out of place. A per-position
+    vector is ``[n, k]``, or ``[batch, n, k]`` for a batch-aware patch."""
     rows, vector_rows = sel.rows, sel.vector_rows
     if vector_rows is not None:
-        vec = vec.index_select(0, vector_rows)
-    if rows is None:
+        vec = vec.index_select(-2, vector_rows)
+    if rows is None and cols is None:
         return OP_MATH[kind](x, vec, base)
-    region = x.index_select(-2, rows)
-    b = None if base is None else base.index_select(-2, rows)
+    region = x if rows is None else x.index_select(-2, rows)
+    b = base if base is None or rows is None else base.index_select(-2, rows)
+    if cols is None:
+        new = OP_MATH[kind](region, vec, b)
+    else:
+        sub = OP_MATH[kind](region.index_select(-1, cols), vec,
+                            None if b is None else b.index_select(-1, cols))
+        new = region.clone()
+        new.index_copy_(-1, cols, sub)
+    if rows is None:
+        return new
     out = x.clone()
-    out.index_copy_(-2, rows, OP_MATH[kind](region, vec, b))
+    out.index_copy_(-2, rows, new)
     return out
 
 

@@ -47,6 +47,10 @@ VALIDATOR = "bridge.vllm.validator:PlanValidator"
 _ids = itertools.count()
 
 
+# points vLLM holds only inside a fused projection: reads may be served, writes are refused
+_FUSED_WRITES = frozenset({"q", "k", "v", "mlp_pre"})
+
+
 def check_engine_kwargs(kwargs: dict) -> None:
     """Refuse, before any engine starts, an engine argument vLLM does not have or a value of
     the wrong type, naming the argument (vLLM itself fails late and elsewhere)."""
@@ -255,6 +259,24 @@ class VllmBackend:
                 point = POINTS[address.name]
                 return CapabilityUnsupported(point.capability or "vllm_architecture", self.name,
                                              detail=f"point {address}")
+        for op in plan.writes:
+            name = op.address.name
+            if name not in self.spec.vllm and name not in self.spec.vllm_writes:
+                point = POINTS[name]
+                return CapabilityUnsupported(point.capability or "vllm_architecture", self.name,
+                                             detail=f"a write at {op.address}")
+            if name in _FUSED_WRITES:
+                return CapabilityUnsupported(
+                    POINTS[name].capability or "vllm_architecture", self.name, detail=f"a write at {op.address}",
+                    why="vLLM computes this point as one part of a fused projection (qkv_proj, gate_up_proj), "
+                        "and writes into a part are not lowered there",
+                    instead="write z per head or mlp_act per neuron, or run the write on backend='eager'")
+            tap = self.spec.vllm_writes.get(name) or self.spec.vllm[name]
+            if tap.sharded and self.tensor_parallel_size > 1:
+                return CapabilityUnsupported(
+                    "vllm_architecture", self.name, detail=f"a write at {op.address} with tensor_parallel_size="
+                    f"{self.tensor_parallel_size}", why="each rank holds only its own heads of this point",
+                    instead="load with tensor_parallel_size=1 to write heads, or steer a residual-width point")
         return None
 
     # ---- requests -----------------------------------------------------------------------

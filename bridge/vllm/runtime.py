@@ -89,6 +89,7 @@ class _Request:
     plan: WirePlan
     prompt_len: int
     vectors: list[torch.Tensor] = field(default_factory=list)  # effective vectors on the device
+    columns: list[torch.Tensor | None] = field(default_factory=list)  # each write's selected columns
     buffers: dict[tuple, _Buffer] = field(default_factory=dict)
     error: str | None = None
 
@@ -196,6 +197,8 @@ class Runtime:
         request = _Request(plan, int(state.num_prompt_tokens))
         try:
             request.vectors = [op.vector.to(self.device, self.dtype) for op in plan.writes]
+            request.columns = [None if op.columns is None else torch.tensor(op.columns, device=self.device)
+                               for op in plan.writes]
             if self.static is not None:
                 self.static.admit(request)
                 plan = WirePlan(plan.rid, (), ())  # nothing for hooks below
@@ -271,7 +274,8 @@ class Runtime:
         sel = select_rows(op.positions, op.per_position, self.positions[s:e], request.prompt_len)
         if sel.empty:
             return
-        x[s:e] = apply_write(op.op, x[s:e], request.vectors[i], sel, None if base is None else base[s:e])
+        x[s:e] = apply_write(op.op, x[s:e], request.vectors[i], sel, None if base is None else base[s:e],
+                             cols=request.columns[i])
 
     def _read(self, request: _Request, address: Address, rows: torch.Tensor, s: int, e: int) -> None:
         """``rows`` (already copied to the CPU) are rows s:e of this forward."""

@@ -18,7 +18,8 @@ fused add+RMSNorm) cannot change a captured value.
 slot ``slots[i]``; its new value is ``s * x + v - (1 - s) * base - p * ((x + base) . u) u`` with
 ``v = vec[slot]``, ``u = dir[slot]``, ``(s, p) = coef[slot]``: add is ``(1, 0)``, set is
 ``(0, 0)``, ablate is ``(1, 1)`` with ``v = 0`` (``base`` is what the tensor is offset from the
-point by, or zero). On CUDA every row is rewritten from ``slot_of[r]``; slot 0 is the identity
+point by, or zero); zero is ``(0, 0)`` and scale ``(factor, 0)`` with ``v = 0``, mean and patch
+are set (``interp_engine._ops.AFFINE``). On CUDA every row is rewritten from ``slot_of[r]``; slot 0 is the identity
 (``(1, 0)``, zero vectors), which rows nobody steers point at. With ``coef`` exactly 0/1 add and set round exactly as the eager math does.
 """
 

@@ -25,7 +25,8 @@ import torch
 from torch import nn
 
 from interp_engine._address import Address
-from interp_engine._ops import select_rows, stored
+from interp_engine._ops import affine, select_rows, stored
+from interp_engine._plan import VECTORLESS
 
 from . import static_ops  # noqa: F401  (registers the ops before any graph is traced)
 
@@ -33,7 +34,6 @@ __all__ = ["StaticTaps", "compilation_counts"]
 
 log = logging.getLogger("interp_engine.vllm")
 
-_COEF = {"add": (1.0, 0.0), "set": (0.0, 0.0), "ablate": (1.0, 1.0)}
 
 
 @dataclass(eq=False)
@@ -141,7 +141,9 @@ class StaticTaps:
                 if site is None:
                     raise ValueError(f"{op.address} is not a declared static write site "
                                      f"(declared: {[str(a) for a in self.sites]})")
-                vector = request.vectors[i].reshape(-1, site.vec.shape[1])
+                width = site.vec.shape[1]
+                vector = (torch.zeros(1, width) if op.op in VECTORLESS
+                          else request.vectors[i].reshape(-1, width))
                 if len(site.free) < vector.shape[0]:
                     raise RuntimeError(f"{op.address}: all {self.n_slots} static steering slots are in use "
                                        "(raise static_slots when loading the model)")
@@ -154,7 +156,7 @@ class StaticTaps:
                 else:
                     site.vec[index] = vector.to(self.dtype)
                     site.direction[index] = 0
-                site.coef[index] = torch.tensor(_COEF[op.op], dtype=self.dtype, device=self.device)
+                site.coef[index] = torch.tensor(affine(op.op, op.scale), dtype=self.dtype, device=self.device)
         finally:
             self.owned[id(request)] = held
         request.static_slots = [torch.tensor(slots) for _, slots in held]  # op i, vector row j -> slot

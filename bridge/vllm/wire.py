@@ -29,7 +29,8 @@ from typing import Any, Mapping, Sequence
 import torch
 
 from interp_engine._address import Address, to_address
-from interp_engine._plan import OPS, Plan, _norm_positions
+from interp_engine._ops import effective_vector
+from interp_engine._plan import OPS, VECTORLESS, Plan, _norm_positions, is_write_site, unit_dims, write_sites
 
 __all__ = ["KEY", "FLAT_KEYS", "PlanError", "VectorRegistry", "WireOp", "WirePlan", "plan_from_args",
            "plan_to_wire", "tensor_from_wire", "tensor_to_wire"]
@@ -110,9 +111,11 @@ def process_registry() -> VectorRegistry:
 class WireOp:
     address: Address
     op: str
-    vector: torch.Tensor  # the effective vector: scale * v for add, unit for ablate
+    vector: torch.Tensor  # the effective vector (interp_engine._ops.effective_vector), on the selected columns
     positions: Any  # "all" | "prompt" | "generated" | tuple of positions
     per_position: bool
+    columns: tuple[int, ...] | None = None  # the selected heads' / neurons' columns of the point's row
+    scale: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -131,12 +134,18 @@ def plan_to_wire(plan: Plan, rid: str, capture_path: str | None = None, model: s
     """A validated Plan as plain data for ``SamplingParams(extra_args={KEY: ...})``."""
     writes = []
     for op in plan.writes:
-        vec = op.vector  # a copy; the effective vector is computed in the worker
-        writes.append({
-            "at": str(op.address), "op": op.op, "scale": op.scale,
-            "positions": op.positions if isinstance(op.positions, str) else list(op.positions),
-            "vector": vec.to(torch.float64).tolist(), "dtype": str(op.dtype).replace("torch.", ""),
-        })
+        if op.batched:
+            raise PlanError(f"interp_engine plan: patch at {op.address} has a source of several rows; a vLLM "
+                            "request is one prompt: patch from a one-row source")
+        vec = op.flat_vector  # a copy; the effective vector is computed in the worker
+        entry = {"at": str(op.address), "op": op.op, "scale": op.scale,
+                 "positions": op.positions if isinstance(op.positions, str) else list(op.positions)}
+        if vec is not None:
+            entry["vector"] = vec.to(torch.float64).tolist()
+            entry["dtype"] = str(op.dtype).replace("torch.", "")
+        if op.columns is not None:
+            entry["columns"] = list(op.columns)
+        writes.append(entry)
     data = {"v": VERSION, "rid": rid, "reads": [str(a) for a in plan.reads], "writes": writes}
     if model:
         data["model"] = model  # the graph's fingerprint, for admission checks
@@ -163,12 +172,13 @@ def _positions(value) -> Any:
         raise _fail(f"positions {value!r}: {exc}") from None
 
 
-def _effective(op: str, vec: torch.Tensor, scale: float) -> torch.Tensor:
-    if op == "add":
-        return vec * scale
-    if op == "ablate":
-        return vec / vec.norm()
-    return vec
+def _effective(op: str, vec: torch.Tensor | None, scale: float, cols: torch.Tensor | None = None) -> torch.Tensor:
+    return effective_vector(op, vec, scale, cols)
+
+
+def point_width(graph, name: str) -> int:
+    """The width of one position's row of a point (d_model; n_heads * d_head on z; d_mlp)."""
+    return math.prod(graph.dim_size(d) for d in unit_dims(name))
 
 
 def _check_graph(address: Address, graph, writing: bool) -> None:
@@ -178,9 +188,8 @@ def _check_graph(address: Address, graph, writing: bool) -> None:
         graph.check_address(address)
     except ValueError as exc:
         raise _fail(str(exc)) from None
-    if writing and not graph.point(address.name).writable:
-        writable = ", ".join(p.name for p in graph.points() if p.writable)
-        raise _fail(f"{address} is not a steering site; steer at one of: {writable}")
+    if writing and not is_write_site(graph.point(address.name)):
+        raise _fail(f"{address} is not a steering site; steer at one of: {write_sites(graph)}")
 
 
 def _write(entry: Mapping, graph, registry: VectorRegistry) -> WireOp:
@@ -192,7 +201,11 @@ def _write(entry: Mapping, graph, registry: VectorRegistry) -> WireOp:
     scale = entry.get("scale", 1.0)
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise _fail(f"scale {scale!r} must be a finite number")
-    if "name" in entry:
+    if op in VECTORLESS:
+        if "vector" in entry or "name" in entry:
+            raise _fail(f"{op} takes no vector (send 'at', 'op', 'scale' for scale, 'positions')")
+        vec, at = None, entry.get("at")
+    elif "name" in entry:
         name = entry["name"]
         if name not in registry.vectors:
             known = ", ".join(sorted(registry.vectors)) or "none (start the server with --vectors FILE)"
@@ -216,17 +229,43 @@ def _write(entry: Mapping, graph, registry: VectorRegistry) -> WireOp:
     address = _address(at, "write point")
     _check_graph(address, graph, writing=True)
     positions = _positions(entry.get("positions", "all"))
-    if vec.dim() not in (1, 2) or not bool(torch.isfinite(vec).all()):
-        raise _fail(f"vector at {address} must be finite, [d_model] or [n_positions, d_model]; "
-                    f"got shape {list(vec.shape)}")
-    per_position = vec.dim() == 2
-    if per_position and (not isinstance(positions, tuple) or len(positions) != vec.shape[0]):
-        raise _fail(f"a per-position vector at {address} has {vec.shape[0]} rows: send as many positions")
-    if graph is not None and vec.shape[-1] != graph.d_model:
-        raise _fail(f"vector at {address} has width {vec.shape[-1]}; this model's d_model is {graph.d_model}")
-    if op == "ablate" and (per_position or not float(vec.norm()) > 0):
-        raise _fail(f"ablate at {address} takes one direction with a non-zero norm")
-    return WireOp(address, op, _effective(op, vec, float(scale)), positions, per_position)
+    width = point_width(graph, address.name) if graph is not None else None
+    columns = _columns(entry.get("columns"), address, width)
+    per_position = False
+    if vec is not None:
+        if vec.dim() not in (1, 2) or not bool(torch.isfinite(vec).all()):
+            raise _fail(f"vector at {address} must be finite, [width] or [n_positions, width] (one flat row "
+                        f"per position); got shape {list(vec.shape)}")
+        per_position = vec.dim() == 2
+        if per_position and (not isinstance(positions, tuple) or len(positions) != vec.shape[0]):
+            raise _fail(f"a per-position vector at {address} has {vec.shape[0]} rows: send as many positions")
+        if width is not None and vec.shape[-1] != width:
+            what = f"d_model is {width}" if unit_dims(address.name) == ("d_model",) else \
+                f"rows at {address.name} are {width} wide"
+            raise _fail(f"vector at {address} has width {vec.shape[-1]}; this model's {what}")
+        if columns is not None and max(columns) >= vec.shape[-1]:
+            raise _fail(f"columns at {address} reach past the vector's width {vec.shape[-1]}")
+        if op == "ablate" and (per_position or not float(vec.norm()) > 0):
+            raise _fail(f"ablate at {address} takes one direction with a non-zero norm")
+    cols = None if columns is None else torch.tensor(columns, dtype=torch.long)
+    try:
+        effective = _effective(op, vec, float(scale), cols)
+    except ValueError as exc:
+        raise _fail(f"{address}: {exc}") from None
+    return WireOp(address, op, effective, positions, per_position, columns, float(scale))
+
+
+def _columns(value, address: Address, width: int | None) -> tuple[int, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not value or any(
+            isinstance(c, bool) or not isinstance(c, int) or c < 0 for c in value):
+        raise _fail(f"columns at {address} must be a non-empty list of non-negative ints")
+    if len(set(value)) != len(value):
+        raise _fail(f"columns at {address} has repeats")
+    if width is not None and max(value) >= width:
+        raise _fail(f"columns at {address} reach {max(value)}; rows at {address.name} are {width} wide")
+    return tuple(int(c) for c in value)
 
 
 def plan_from_args(extra_args: Mapping | None, graph=None, registry: VectorRegistry | None = None,

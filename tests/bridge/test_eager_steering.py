@@ -410,7 +410,8 @@ def test_gradients_reach_a_steering_vector(eager_models):
      "bfloat16"),
     (lambda m: SteerSpec.add("resid_post.99", torch.randn(128)), ValueError, r"resid_post\.99.*3 layers"),
     (lambda m: SteerSpec.add("resid_streams.0", torch.randn(128)), ValueError, "'resid_streams'"),
-    (lambda m: SteerSpec.add("z.0", torch.randn(128)), ValueError, r"z\.0.*not a steering site"),
+    (lambda m: SteerSpec.add("z.0", torch.randn(128)), ValueError, r"z\.0 must be \[n_heads, d_head\]"),
+    (lambda m: SteerSpec.add("pattern.0", torch.randn(128)), ValueError, r"pattern\.0.*not a steering site"),
     (lambda m: None, TypeError, "SteerSpec"),
     (lambda m: "resid_post.0", TypeError, "SteerSpec"),
 ])

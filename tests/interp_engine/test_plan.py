@@ -149,8 +149,8 @@ def test_steer_plan_checks(graph, ds_graph):
                    torch.float32)
     with pytest.raises(ValueError, match=r"resid_post\.9"):
         steer_plan(graph, SteerSpec.add("resid_post.9", torch.randn(D)))
-    with pytest.raises(ValueError, match=r"cannot steer at z\.0.*steerable points"):
-        steer_plan(graph, SteerSpec.add("z.0", torch.randn(D)))
+    with pytest.raises(ValueError, match=r"cannot steer at pattern\.0.*steerable points"):
+        steer_plan(graph, SteerSpec.add("pattern.0", torch.randn(D)))
     with pytest.raises(ValueError, match="not a steering site"):
         steer_plan(ds_graph, SteerSpec.add("resid_post.0", torch.randn(D)))  # a 4-stream stack
     assert steer_plan(ds_graph, SteerSpec.add("mlp_out.0", torch.randn(D))).writes

@@ -106,7 +106,7 @@ def _ops_wrappers(side: str):
     _ops.OP_MATH.setdefault("~add_scaled", lambda region, vec, base: region + 1.5 * vec)
     apply_write, select_rows = _ops.apply_write, _ops.select_rows
 
-    def mutant_apply_write(kind, x, vec, sel, base=None):
+    def mutant_apply_write(kind, x, vec, sel, base=None, **kwargs):
         if active("write_noop", side) or (kind == "add" and active("add_noop", side)) \
                 or (kind == "ablate" and active("ablate_identity", side)):
             kind = "~keep"
@@ -114,7 +114,7 @@ def _ops_wrappers(side: str):
             kind = "~add_scaled"
         elif kind == "set" and active("set_ignores_positions", side) and sel.rows is not None:
             sel = _ops.EVERY_ROW
-        return apply_write(kind, x, vec, sel, base)
+        return apply_write(kind, x, vec, sel, base, **kwargs)
 
     def mutant_select_rows(positions_spec, per_position, positions, prompt_len):
         if active("positions_off_by_one", side):
@@ -231,10 +231,10 @@ def _patch_runtime(module) -> None:
 def _patch_wire(module) -> None:
     effective = module._effective
 
-    def mutant_effective(op, vec, scale):
+    def mutant_effective(op, vec, scale, *rest):
         if op == "add" and active("scale_ignored"):
             return vec
-        return effective(op, vec, scale)
+        return effective(op, vec, scale, *rest)
     module._effective = mutant_effective
 
 

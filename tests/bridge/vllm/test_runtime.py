@@ -146,10 +146,10 @@ def test_an_error_inside_the_runtime_fails_only_its_request(monkeypatch, model_p
         good = _spec(vllm, 3)
         real = runtime_module.apply_write
 
-        def faulty(kind, x, vec, sel, base=None):
+        def faulty(kind, x, vec, sel, base=None, **kwargs):
             if vec.numel() and float(vec.reshape(-1)[0]) == 0.5 * 2.0:  # the marked request only
                 raise RuntimeError("planted fault in a write")
-            return real(kind, x, vec, sel, base)
+            return real(kind, x, vec, sel, base, **kwargs)
 
         monkeypatch.setattr(runtime_module, "apply_write", faulty)
         bad = SteerSpec.add("resid_post.1", marker, scale=2.0)
