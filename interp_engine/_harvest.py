@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import math
 import os
@@ -29,7 +30,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -125,18 +126,23 @@ class _Windows:
     """Consecutive ``length``-token windows of the concatenated token stream; ``left_out``
     counts the tokens after the last full window once the stream is exhausted."""
 
-    def __init__(self, model: Model, prompts: _Prompts, length: int) -> None:
-        self.model, self.prompts, self.length = model, prompts, length
+    def __init__(self, tokenize: Callable[[str], list[int]], prompts: _Prompts, length: int) -> None:
+        self.tokenize, self.prompts, self.length = tokenize, prompts, length
         self.left_out = 0
 
     def __iter__(self) -> Iterator[list[int]]:
         buffer: list[int] = []
         for text in self.prompts:
-            buffer.extend(self.model.tok.hf(text, add_special_tokens=True)["input_ids"])
+            buffer.extend(self.tokenize(text))
             while len(buffer) >= self.length:
                 yield buffer[:self.length]
                 del buffer[:self.length]
         self.left_out = len(buffer)
+
+
+def _tokenizer(hf) -> Callable[[str], list[int]]:
+    """How harvest tokenizes one prompt: as the model's tokenizer does one text."""
+    return lambda text: hf(text, add_special_tokens=True)["input_ids"]
 
 
 # ---- identity of a run (what a resume must match) ------------------------------------------
@@ -200,7 +206,7 @@ def harvest(model: Model, prompts: Sequence[str] | str | os.PathLike,
             points: Sequence[AddressLike] | AddressLike, out: str | os.PathLike, *,
             context_size: int = 128, max_tokens: int = 0, batch_size: int = 8,
             max_in_flight: int = 64, shard_bytes: int = 256 * 2**20,
-            progress: bool | None = None) -> HarvestReport:
+            progress: bool | None = None, window_range: tuple[int, int] | None = None) -> HarvestReport:
     """Capture ``points`` over every window of ``prompts`` and write them to ``out`` as a
     dataset SAELens reads as cached activations; returns a HarvestReport.
 
@@ -211,6 +217,8 @@ def harvest(model: Model, prompts: Sequence[str] | str | os.PathLike,
     requests; ``shard_bytes``: the most one shard holds in memory and on disk. Calling again
     with the same arguments resumes an interrupted run (or returns at once when it finished);
     other arguments are refused. ``progress``: a progress bar (default: when stderr is a TTY).
+    ``window_range=(start, stop)`` harvests only those windows of the stream (what one replica
+    of ``harvest_ray`` takes).
     """
     started = time.perf_counter()
     if not isinstance(model, Model):
@@ -223,6 +231,10 @@ def harvest(model: Model, prompts: Sequence[str] | str | os.PathLike,
     if max_tokens > context_size:
         raise ValueError(f"max_tokens={max_tokens} is more than context_size={context_size}: a row "
                          "holds the prompt window and the generated tokens, so use max_tokens <= context_size")
+    if window_range is not None:
+        start, stop = window_range
+        if not (isinstance(start, int) and isinstance(stop, int) and 0 <= start <= stop):
+            raise ValueError(f"window_range must be (start, stop) with 0 <= start <= stop, got {window_range!r}")
     gen = max(max_tokens, 1)
     window_len = context_size - gen + 1
     room = model.max_model_len
@@ -253,16 +265,19 @@ def harvest(model: Model, prompts: Sequence[str] | str | os.PathLike,
         "tokenizer": _tokenizer_digest(model), "points": [str(a) for a in reads],
         "context_size": context_size, "max_tokens": max_tokens, "generation": "greedy",
         "prompt_source": prompt_source.source, "prompt_sha256": prompt_source.digest(),
-        "shard_rows": shard_rows,
+        "shard_rows": shard_rows, "window_range": list(window_range) if window_range else None,
     }
     store = Store(out, args, columns, shapes)
     done = store.open()
     if store.complete:
         return _report(store, started, done, 0)
-    stream = _Windows(model, prompt_source, window_len)
+    stream = _Windows(_tokenizer(model.tok.hf), prompt_source, window_len)
     windows = iter(stream)
-    for _ in range(done):  # finished shards: skip their windows
-        next(windows)
+    first, last = window_range or (0, None)
+    if last is not None:
+        windows = itertools.islice(windows, last)
+    for _ in range(first + done):  # windows before the range, and those of finished shards
+        next(windows, None)
     bar = _progress(progress, done)
     written = 0
     try:
