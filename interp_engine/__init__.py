@@ -21,6 +21,8 @@ from ._api import (
 from ._cache import Cache
 from ._compare import CompareReport, OutputDiff, assert_backends_agree, compare, default_tolerance
 from ._capabilities import CAPABILITIES, Capability, CapabilityUnsupported
+from ._harvest import HarvestReport, harvest
+from ._harvest_ray import harvest_ray
 from ._graph import GradSupport, ModelGraph, ResidualBasis
 from ._model import Model, ModelNotFound, Tokenizer, load_model
 from ._plan import Plan, SteerOp, SteerSpec, capture_plan, steer_plan
@@ -34,7 +36,7 @@ from ._tokens import TokenBatch
 __all__ = [
     "Address", "Backend", "CAPABILITIES", "CompareReport", "OutputDiff", "assert_backends_agree", "compare",
     "default_tolerance", "DIMS", "RawStep", "SAMPLING_FIELDS", "ShapeError", "Cache", "Capability", "CapabilityUnsupported", "Completion",
-    "GenStep", "GradSupport", "Model", "ModelGraph", "ModelNotFound", "POINTS", "Plan",
+    "GenStep", "GradSupport", "HarvestReport", "harvest", "harvest_ray", "Model", "ModelGraph", "ModelNotFound", "POINTS", "Plan",
     "PointSpec", "ResidualBasis", "SamplingConfig", "SteerOp", "SteerSpec", "TokenBatch",
     "Tokenizer", "active_steering", "capture_generation", "capture_plan", "decode_residuals",
     "expert_assignment", "format_address", "from_tl", "TL_HOOKS", "generate_stream", "head_contributions",

@@ -42,6 +42,8 @@ COMMANDS: list[Command] = [
             "interp_engine._cli_points"),
     Command("compare", "one model on several backends: captures and greedy tokens, the differences",
             "interp_engine._compare_cli"),
+    Command("harvest", "activations over a prompt file to a dataset SAELens trains from (resumable)",
+            "interp_engine._cli_harvest"),
     Command("serve", "vLLM's OpenAI-compatible server with steering and capture per request",
             "interp_engine._cli_serve"),
 ]
@@ -76,7 +78,7 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from ._shapes import ShapeError
 
     return (UsageError, CapabilityUnsupported, ModelNotFound, ShapeError, ValueError, KeyError,
-            FileNotFoundError, IsADirectoryError, PermissionError)
+            FileNotFoundError, FileExistsError, IsADirectoryError, PermissionError)
 
 
 def main(argv: list[str] | None = None) -> int:

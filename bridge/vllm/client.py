@@ -96,6 +96,13 @@ class _Capture:
     values: dict[Address, torch.Tensor] | None = None
 
 
+@dataclass(frozen=True)
+class _Refused:
+    """The engine refused a request when the driver added it: its exception, for the caller."""
+
+    exc: Exception
+
+
 @dataclass(eq=False)
 class _Request:
     external_id: str
@@ -152,6 +159,10 @@ class VllmBackend:
         self._lock = threading.RLock()  # one caller inside the engine at a time
         self._wake = threading.Condition()
         self._requests: dict[str, _Request] = {}
+        # requests waiting for the driver to hand them to a multiprocess engine (under _wake):
+        # callers never wait for a running step to add theirs, so the next step schedules
+        # every request that arrived meanwhile together
+        self._incoming: list[tuple[_Request, Any, Any]] = []
         self._driver: threading.Thread | None = None
         self._stop = False
         self._fingerprint: str | None = None
@@ -310,11 +321,29 @@ class VllmBackend:
         request = _Request(external, rid, plan, prompt_len, capture, sink)
         if capture is not None:
             capture.rid = rid
-        with self._lock:
-            llm.llm_engine.add_request(external, engine_prompt, params)
-            self._requests[external] = request
+        if self.in_process:
+            with self._lock:
+                llm.llm_engine.add_request(external, engine_prompt, params)
+                self._requests[external] = request
+            return request
+        with self._wake:
+            self._incoming.append((request, engine_prompt, params))
         self._ensure_driver()
         return request
+
+    def _admit(self, llm) -> None:
+        """Hand the waiting requests to the engine (the driver, holding _lock, before a step).
+        A request the engine refuses gets the engine's own exception through its sink."""
+        with self._wake:
+            incoming, self._incoming = self._incoming, []
+        for request, prompt, params in incoming:
+            try:
+                llm.llm_engine.add_request(request.external_id, prompt, params)
+            except Exception as exc:  # vLLM's validation of this request: the caller's to see
+                request.finished = True
+                request.sink(_Refused(exc))
+                continue
+            self._requests[request.external_id] = request
 
     def _ensure_driver(self) -> None:
         if self.in_process:
@@ -334,7 +363,11 @@ class VllmBackend:
         that built the engine, so there the callers pump it themselves, one at a time."""
         with self._lock:
             llm = self._llm
-            if llm is None or not llm.llm_engine.has_unfinished_requests():
+            if llm is None:
+                return False
+            if not self.in_process:
+                self._admit(llm)
+            if not llm.llm_engine.has_unfinished_requests():
                 return False
             try:
                 outputs = llm.llm_engine.step()
@@ -356,7 +389,7 @@ class VllmBackend:
         """The driver thread of a multiprocess engine: pump while requests are in flight."""
         while True:
             with self._wake:
-                while not self._stop and not self._requests:
+                while not self._stop and not self._requests and not self._incoming:
                     self._wake.wait()
                 if self._stop:
                     return
@@ -365,7 +398,10 @@ class VllmBackend:
                     self._wake.wait(timeout=0.005)
 
     def _fail_all(self, exc: BaseException) -> None:
-        waiting = list(self._requests.values())
+        with self._wake:
+            waiting = [item[0] for item in self._incoming]
+            self._incoming = []
+        waiting += list(self._requests.values())
         self._requests.clear()
         for request in waiting:
             request.finished = True
@@ -373,6 +409,10 @@ class VllmBackend:
 
     def _abort(self, request: _Request) -> None:
         """Leave nothing of ``request`` in the engine or the workers (a cancel, an error)."""
+        with self._wake:
+            if any(item[0] is request for item in self._incoming):
+                self._incoming = [item for item in self._incoming if item[0] is not request]
+                request.finished = True
         with self._lock:
             if not request.finished and self._llm is not None:
                 request.finished = True
@@ -423,6 +463,8 @@ class VllmBackend:
                         if not self._pump() and outputs.empty():
                             raise RuntimeError("the vLLM engine holds no work for a request still waiting")
                 out = outputs.get()
+                if isinstance(out, _Refused):
+                    raise out.exc
                 if isinstance(out, BaseException):
                     raise RuntimeError("the vLLM engine step failed") from out
                 if out.finished:
@@ -448,6 +490,8 @@ class VllmBackend:
                         self._pump()  # this loop's thread steps the engine; others run between steps
                         await asyncio.sleep(0)
                 out = await outputs.get()
+                if isinstance(out, _Refused):
+                    raise out.exc
                 if isinstance(out, BaseException):
                     raise RuntimeError("the vLLM engine step failed") from out
                 if out.finished:
