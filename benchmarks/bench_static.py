@@ -50,7 +50,7 @@ def main() -> None:
     hooks.warmup()
     static.warmup()
     plain = LLM(model=str(path), dtype=torch.float32, enable_prefix_caching=False, seed=0,
-                max_model_len=hooks.max_model_len)
+                max_model_len=hooks.max_model_len, kv_cache_memory_bytes=1 << 30)
     eager_llm = hooks.backend._llm
     ids = hooks.to_tokens("The capital of France is a city where")[0].tolist()
     points = [Address("resid_post", layer) for layer in range(n_layers)]

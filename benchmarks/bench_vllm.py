@@ -34,7 +34,7 @@ def _plain_engine(path, max_model_len: int, compiled: bool):
 
     envs.disable_envs_cache()  # this engine reads VLLM_ENABLE_V1_MULTIPROCESSING afresh
     return LLM(model=str(path), dtype=torch.float32, enforce_eager=not compiled, enable_prefix_caching=False,
-               seed=0, max_model_len=max_model_len)
+               seed=0, max_model_len=max_model_len, kv_cache_memory_bytes=1 << 30)
 
 
 def _shape(name: str, in_process: bool, args) -> dict[str, dict[str, float]]:

@@ -96,7 +96,7 @@ def vllm_rows(repeats: int) -> list[tuple[str, str, float]]:
     spec = SteerSpec.add(f"resid_post.{STEER_LAYER}", _vector(ours.d_model), scale=STEER_SCALE)
     ours.warmup()
     plain = LLM(model=str(path), dtype="float32", enforce_eager=True, enable_prefix_caching=False,
-                max_model_len=512)
+                max_model_len=512, kv_cache_memory_bytes=1 << 30)
     prompt = {"prompt_token_ids": tokens[0].tolist()}
     one = SamplingParams(max_tokens=1, temperature=0.0)
     full = SamplingParams(max_tokens=GEN_TOKENS, min_tokens=GEN_TOKENS, temperature=0.0, ignore_eos=True)
