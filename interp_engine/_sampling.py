@@ -18,6 +18,9 @@ def _is_int(x) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, bool)
 
 
+_MAX_TEMPERATURE = 2.0  # vLLM's SamplingParams refuses higher at request time
+
+
 @dataclass(frozen=True)
 class SamplingConfig:
     """What a generation call asked for; every field checked on construction."""
@@ -37,8 +40,10 @@ class SamplingConfig:
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens must be an int >= 1, got {self.max_tokens!r}")
         if isinstance(self.temperature, bool) or not isinstance(self.temperature, numbers.Real) \
-                or not math.isfinite(self.temperature) or self.temperature < 0:
-            raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {self.temperature!r}")
+                or not math.isfinite(self.temperature) or not (0 <= self.temperature <= _MAX_TEMPERATURE):
+            raise ValueError(f"temperature must be a finite number in [0, {_MAX_TEMPERATURE}] (0 is greedy; "
+                             f"vLLM refuses more than {_MAX_TEMPERATURE}, so both backends do), "
+                             f"got {self.temperature!r}")
         if not _is_int(self.top_k) or self.top_k < 0:
             raise ValueError(f"top_k must be an int >= 0 (0 disables it), got {self.top_k!r}")
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real) \

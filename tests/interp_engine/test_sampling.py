@@ -64,3 +64,11 @@ def test_other_arguments_are_refused_clearly():
 def test_bad_configs_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SamplingConfig(**kwargs)
+
+
+@pytest.mark.parametrize("t", [2.0000001, 2.5, 10.0])
+def test_temperature_above_vllms_limit_is_refused_up_front_on_every_backend(t):
+    """vLLM refuses temperature > 2 at request time; the config refuses it before any forward."""
+    with pytest.raises(ValueError, match=r"temperature .*\[0, 2.0\]"):
+        SamplingConfig(temperature=t)
+    assert SamplingConfig(temperature=2.0).temperature == 2.0
