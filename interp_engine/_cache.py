@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any, Iterator, Mapping
@@ -12,6 +13,8 @@ from ._address import Address, AddressLike, to_address
 from ._points import POINTS
 
 __all__ = ["Cache"]
+
+_MASK_KEY = "__attention_mask__"
 
 
 def _dims_of(address: Address, graph: Any) -> tuple[str, ...]:
@@ -108,6 +111,36 @@ class Cache:
         """A copy with every tensor on ``device``; the original is unchanged."""
         mask = None if self.attention_mask is None else self.attention_mask.to(device)
         return Cache({a: t.to(device) for a, t in self._values.items()}, mask, self.graph)
+
+    def __reduce__(self):
+        # the mapping proxy cannot be pickled; rebuild (and re-check) from a plain dict
+        return (Cache, (dict(self._values), self.attention_mask, self.graph))
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write every tensor and the attention mask to a safetensors file at ``path``.
+
+        Addresses are the tensor names; the graph is not written (``Cache.load`` takes one back).
+        """
+        from safetensors.torch import save_file
+
+        tensors = {str(a): t.detach().contiguous().cpu() for a, t in self._values.items()}
+        if _MASK_KEY in tensors:
+            raise ValueError(f"an address is named {_MASK_KEY!r}, which save() reserves for the mask")
+        if self.attention_mask is not None:
+            tensors[_MASK_KEY] = self.attention_mask.detach().contiguous().cpu()
+        save_file(tensors, os.fspath(path), metadata={"format": "interp_engine.Cache", "version": "1"})
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, graph: Any = None) -> "Cache":
+        """Read a file written by ``save``; with ``graph`` every shape is checked against the model."""
+        from safetensors import safe_open
+
+        with safe_open(os.fspath(path), framework="pt") as f:
+            if (f.metadata() or {}).get("format") != "interp_engine.Cache":
+                raise ValueError(f"{path} was not written by Cache.save (no interp_engine.Cache metadata)")
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        mask = tensors.pop(_MASK_KEY, None)
+        return cls(tensors, mask, graph)
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{a}: {tuple(t.shape)}" for a, t in self._values.items())
