@@ -6,6 +6,7 @@ Layer ranges depend on a model, so they are checked by ``ModelGraph.check_addres
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import re
 from dataclasses import dataclass
@@ -13,7 +14,7 @@ from typing import Union
 
 from ._points import POINTS
 
-__all__ = ["Address", "AddressLike", "format_address", "parse_address", "to_address"]
+__all__ = ["Address", "AddressLike", "expand_points", "format_address", "parse_address", "to_address"]
 
 _ADDRESS_RE = re.compile(r"^([a-z_]+)\.(\d+)(?:\.(\d+))?$")
 
@@ -120,3 +121,34 @@ def to_address(value: AddressLike) -> Address:
         f"cannot use {value!r} as an address: pass an Address, a string like 'resid_post.10', "
         f"or a tuple like ('resid_post', 10)"
     )
+
+
+def _is_pattern(value: object) -> bool:
+    return isinstance(value, str) and any(c in value for c in "*?[")
+
+
+def expand_points(graph, points):
+    """Expand glob patterns (``"resid_post.*"``, ``"*.3"``) among ``points`` into the model's
+    addresses (``name.layer``, in the graph's order); other items pass through unchanged.
+    A pattern that matches nothing on this model is refused, naming what exists."""
+    if points is None:
+        return None
+    single = isinstance(points, (str, Address)) or (isinstance(points, tuple) and points
+                                                     and isinstance(points[0], str) and not _is_pattern(points[0])
+                                                     and len(points) in (2, 3) and not isinstance(points[1], str))
+    items = [points] if single else list(points)
+    if not any(_is_pattern(item) for item in items):
+        return points
+    every = [f"{spec.name}.{layer}" for spec in graph.points() for layer in graph.layers_of(spec.name)]
+    out: list = []
+    for item in items:
+        if not _is_pattern(item):
+            out.append(item)
+            continue
+        matched = [a for a in every if fnmatch.fnmatchcase(a, item)]
+        if not matched:
+            names = ", ".join(sorted({spec.name for spec in graph.points()}))
+            raise ValueError(f"point pattern {item!r} matches no point of this {graph.arch} model "
+                             f"({graph.n_layers} layers; points: {names})")
+        out.extend(parse_address(a) for a in matched)
+    return list(dict.fromkeys(out))

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Iterator, Sequence, Union
 import torch
 from jaxtyping import Float, Int
 
-from ._address import Address, AddressLike
+from ._address import Address, AddressLike, expand_points
 from ._cache import Cache
 from ._capabilities import CapabilityUnsupported
 from ._model import Model
@@ -87,7 +87,7 @@ def _refuse(model: Model, plan: Plan, batch=None, gradients: bool = False) -> No
 
 def _plan(model: Model, points: Sequence[AddressLike] | AddressLike | None,
           extra: SteerSpec | None = None) -> Plan:
-    plan = capture_plan(model.graph, points) if points is not None else Plan()
+    plan = capture_plan(model.graph, expand_points(model.graph, points)) if points is not None else Plan()
     spec = active_steering(model)
     if extra is None and not spec.ops:
         return plan

@@ -186,3 +186,32 @@ def test_check_address_stream_range(graphs):
         graphs["deepseek_v4"].check_address("resid_streams.1.4")
     message = str(info.value)
     assert "resid_streams.1.4" in message and "4 streams" in message and "0..3" in message
+
+
+# ---- point patterns ------------------------------------------------------------------------
+
+def test_patterns_expand_to_the_models_addresses_in_run_with_cache(eager_models):
+    import torch
+
+    from interp_engine import run_with_cache
+
+    model = eager_models["qwen3"]
+    tokens = model.to_tokens("Hello there")
+    cache = run_with_cache(model, tokens, "resid_post.*")
+    assert [str(a) for a in cache] == [f"resid_post.{i}" for i in range(model.graph.n_layers)]
+    at_one = run_with_cache(model, tokens, ["*.1", "resid_pre.0"])
+    assert {a.layer for a in at_one} == {0, 1}
+    assert {a.name for a in at_one if a.layer == 1} == {p.name for p in model.graph.points()
+                                                       if 1 in model.graph.layers_of(p.name)}
+    full = run_with_cache(model, tokens, ["resid_post.0", "resid_post.1"])
+    torch.testing.assert_close(cache["resid_post.1"], full["resid_post.1"], rtol=0, atol=0)
+
+
+def test_a_pattern_that_matches_nothing_is_refused(eager_models):
+    import torch
+
+    from interp_engine import run_with_cache
+
+    model = eager_models["qwen3"]
+    with pytest.raises(ValueError, match=r"pattern 'resid_post\.99\*' matches no point"):
+        run_with_cache(model, model.to_tokens("Hi"), ["resid_post.99*"])
