@@ -112,6 +112,52 @@ class Cache:
         mask = None if self.attention_mask is None else self.attention_mask.to(device)
         return Cache({a: t.to(device) for a, t in self._values.items()}, mask, self.graph)
 
+    def _n_layers(self, layer: int | None, what: str) -> int:
+        if self.graph is None:
+            raise ValueError(f"{what} needs the model's graph: use a cache the library returned, or "
+                             "Cache.load(path, graph=model.graph)")
+        n = self.graph.n_layers
+        if layer is None:
+            return n
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= n:
+            raise ValueError(f"{what}: layer must be an int in [0, {n}] (or None for {n}), got {layer!r}")
+        return layer
+
+    def _stack(self, names: list[str], what: str, return_labels: bool):
+        missing = [n for n in names if n not in self]
+        if missing:
+            raise KeyError(f"{what} needs {', '.join(missing)}, which this cache does not hold: capture "
+                           f"them, for example run_with_cache(model, tokens, {sorted(set(missing))!r})")
+        stacked = torch.stack([self[n] for n in names])
+        return (stacked, names) if return_labels else stacked
+
+    def accumulated_resid(self, layer: int | None = None, incl_mid: bool = False,
+                          return_labels: bool = False):
+        """The residual stream as it stands before each layer below ``layer`` (TransformerLens
+        semantics): ``resid_pre.0 .. resid_pre.{layer-1}`` (with ``resid_mid`` after each when
+        ``incl_mid``), and when ``layer`` is the number of layers (the default) the last
+        ``resid_post`` too (before the final norm). Returns ``[component, batch, pos, d_model]``
+        (and the labels with ``return_labels``)."""
+        n = self._n_layers(layer, "accumulated_resid")
+        names: list[str] = []
+        for i in range(n):
+            names.append(f"resid_pre.{i}")
+            if incl_mid:
+                names.append(f"resid_mid.{i}")
+        if n == self.graph.n_layers:
+            names.append(f"resid_post.{n - 1}")
+        return self._stack(names, "accumulated_resid", return_labels)
+
+    def decompose_resid(self, layer: int | None = None, return_labels: bool = False):
+        """The residual stream before ``layer`` split into what wrote it (TransformerLens
+        semantics): the embedding (``resid_pre.0``), then ``attn_out`` and ``mlp_out`` of every
+        layer below ``layer``; on sequential-residual models they sum to ``resid_pre.{layer}``
+        (the last ``resid_post`` for the default, all layers). Returns ``[component, batch,
+        pos, d_model]`` (and the labels with ``return_labels``)."""
+        n = self._n_layers(layer, "decompose_resid")
+        names = ["resid_pre.0"] + [f"{kind}.{i}" for i in range(n) for kind in ("attn_out", "mlp_out")]
+        return self._stack(names, "decompose_resid", return_labels)
+
     def __reduce__(self):
         # the mapping proxy cannot be pickled; rebuild (and re-check) from a plain dict
         return (Cache, (dict(self._values), self.attention_mask, self.graph))

@@ -53,3 +53,39 @@ def test_load_checks_shapes_against_the_graph(eager_models, tmp_path):
     Cache({Address("resid_post", 0): torch.zeros(1, 3, 5)}).save(tmp_path / "bad.safetensors")
     with pytest.raises(ValueError, match="resid_post.0 has shape"):
         Cache.load(tmp_path / "bad.safetensors", graph=model.graph)
+
+
+@pytest.mark.vllm
+def test_patterns_and_save_on_vllm_match_eager(model_pool, tmp_path):
+    pytest.importorskip("vllm")
+    eager, vllm = model_pool.get("qwen3"), model_pool.get("qwen3", "vllm")
+    tokens = eager.to_tokens(PROMPT)
+    on_vllm = run_with_cache(vllm, tokens, "resid_post.*")
+    on_eager = run_with_cache(eager, tokens, "resid_post.*")
+    assert list(on_vllm) == list(on_eager) == [Address("resid_post", i) for i in range(eager.graph.n_layers)]
+    for address in on_eager:
+        torch.testing.assert_close(on_vllm[address], on_eager[address], rtol=1e-4, atol=1e-4)
+    on_vllm.save(tmp_path / "v.safetensors")
+    _same(on_vllm, Cache.load(tmp_path / "v.safetensors", graph=vllm.graph))
+
+
+def test_accumulated_and_decomposed_resid_match_the_hf_modules(eager_models):
+    from tests._reference import reference_points
+
+    model = eager_models["qwen3"]
+    n = model.graph.n_layers
+    tokens = model.to_tokens(PROMPT)
+    ref = reference_points(model, tokens)
+    cache = run_with_cache(model, tokens, "resid_*.*")
+    acc, labels = cache.accumulated_resid(return_labels=True)
+    assert labels == [f"resid_pre.{i}" for i in range(n)] + [f"resid_post.{n - 1}"]
+    want = torch.stack([ref[("resid_pre", i)] for i in range(n)] + [ref[("resid_post", n - 1)]])
+    torch.testing.assert_close(acc, want)
+    assert cache.accumulated_resid(1, incl_mid=True).shape[0] == 2
+    parts = run_with_cache(model, tokens, ["resid_pre.0", "attn_out.*", "mlp_out.*"]).decompose_resid()
+    assert parts.shape[0] == 1 + 2 * n
+    torch.testing.assert_close(parts.sum(0), ref[("resid_post", n - 1)], rtol=1e-4, atol=1e-5)
+    with pytest.raises(KeyError, match="decompose_resid needs attn_out.0"):
+        cache.decompose_resid()
+    with pytest.raises(ValueError, match=r"layer must be an int in \[0, 2\]|layer must be an int"):
+        cache.accumulated_resid(n + 1)
