@@ -263,6 +263,13 @@ def load_model(name: str | os.PathLike, backend: str = "eager", *, requires_grad
         if not spec.vllm:
             raise CapabilityUnsupported("vllm_architecture", backend,
                                         detail=f"{spec.arch}: {spec.vllm_note}")
+        if torch_dtype == torch.float16:  # vLLM refuses these only at the first request, as a raw pydantic error
+            from vllm.config.model import _FLOAT16_NOT_SUPPORTED_MODELS
+
+            why = _FLOAT16_NOT_SUPPORTED_MODELS.get(getattr(config, "model_type", None))
+            if why:
+                raise CapabilityUnsupported("float16", backend, why=f"vLLM refuses {config.model_type} in "
+                                            f"float16: {why}", instead="load with dtype='bfloat16' or 'float32'")
         from bridge.vllm import VllmBackend
 
         if backend == "vllm-static":

@@ -139,3 +139,13 @@ def test_hub_name_in_the_local_cache_loads(monkeypatch, tmp_path):
     tokens = model.to_tokens("Hello")
     assert torch.equal(run_with_cache(model, tokens, ["resid_post.0"])["resid_post.0"],
                        run_with_cache(reference, tokens, ["resid_post.0"])["resid_post.0"])
+
+
+@pytest.mark.vllm
+def test_gemma2_in_float16_is_refused_at_load_on_vllm():
+    pytest.importorskip("vllm")
+    from interp_engine import CapabilityUnsupported, load_model
+    from interp_engine.testing import tiny_model
+
+    with pytest.raises(CapabilityUnsupported, match=r"float16.*gemma2.*bfloat16"):
+        load_model(tiny_model("gemma2"), backend="vllm", dtype="float16")
