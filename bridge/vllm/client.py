@@ -409,6 +409,10 @@ class VllmBackend:
 
     def _abort(self, request: _Request) -> None:
         """Leave nothing of ``request`` in the engine or the workers (a cancel, an error)."""
+        if request.finished and (request.released or request.plan.empty):
+            # the usual end: nothing left anywhere. Taking _lock here would wait out the step the
+            # driver is running, and an async caller would block its event loop for that long.
+            return
         with self._wake:
             if any(item[0] is request for item in self._incoming):
                 self._incoming = [item for item in self._incoming if item[0] is not request]

@@ -101,6 +101,7 @@ class StaticTaps:
                 torch.zeros(max_tokens, **long), torch.zeros(max_tokens, **long), torch.zeros(1, **long),
                 torch.zeros(max_tokens, **long), free=list(range(slots, 0, -1)))
         self.owned: dict[int, list[tuple[_Site, list[int]]]] = {}  # id(request) -> slots it holds
+        self.idle = True  # every row map is empty (count 0): an idle step has nothing to reset
         self.bytes = sum(t.buf.numel() * t.buf.element_size() for t in self.taps.values()) + sum(
             (s.vec.numel() + s.direction.numel() + s.coef.numel()) * s.vec.element_size()
             for s in self.sites.values())
@@ -168,6 +169,8 @@ class StaticTaps:
     # ---- per step: outside the graph ---------------------------------------------------
     def fill(self, active: list, positions: torch.Tensor | None) -> None:
         """This step's row maps from the runtime's ``active`` [(request, s, e)]."""
+        if not active and self.idle:
+            return  # maps already empty: an engine with no plan in flight pays no Python per tap
         for tap in self.taps.values():
             tap.readers = []
         work: dict[int, tuple[list, list]] = {}
@@ -192,6 +195,7 @@ class StaticTaps:
             self._fill_tap(tap)
         for site in self.sites.values():
             self._fill_site(site, work.get(id(site)))
+        self.idle = not any(t.used for t in self.taps.values()) and not any(s.used for s in self.sites.values())
 
     def _fill_tap(self, tap: _Tap) -> None:
         if tap.used:
