@@ -77,8 +77,10 @@ CAPABILITIES = MappingProxyType(
                "vLLM's paged attention kernels never form the attention probability matrix",
                "use backend='eager'", _EAGER),
             _c("mlp_internals",
-               "vLLM fuses the gate and up projections and the activation into one kernel",
-               "capture 'mlp_out', or use backend='eager' for mlp_pre and mlp_act", _EAGER),
+               "vLLM fuses the gate and up projections into one matmul and the activation "
+               "into the act-and-mul kernel, so the gate pre-activation alone is never formed",
+               "capture 'mlp_act' (served on vLLM: the input of down_proj), or use "
+               "backend='eager' for mlp_pre", _EAGER),
             _c("expert_selection",
                "vLLM selects and weights experts inside its fused MoE kernel and never returns "
                "the selection",

@@ -114,7 +114,7 @@ POINTS = MappingProxyType(
                True, False, False, capability="mlp_internals", kind="mlp"),
             _p("mlp_act", ("batch", "pos", "d_mlp"),
                "MLP hidden activation entering down_proj (act(gate) * up)",
-               True, False, False, capability="mlp_internals", kind="mlp"),
+               True, True, False, capability="mlp_internals", kind="mlp"),
             _p("router_logits", ("batch", "pos", "n_experts"), "MoE router logits per expert",
                True, True, False, kind="moe"),
             _p("expert_weights", ("batch", "pos", "top_k"),

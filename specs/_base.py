@@ -215,6 +215,8 @@ COMMON_VLLM = MappingProxyType({
     "attn_out": VllmTap("module_out", LAYER + ".self_attn"),
     "mlp_out": VllmTap("layer_h", LAYER),
     "z": VllmTap("module_in", LAYER + ".self_attn.o_proj", "heads", sharded=True),
+    # vLLM's fused act-and-mul feeds down_proj the same act(gate) * up that eager reads there.
+    "mlp_act": VllmTap("module_in", LAYER + ".mlp.down_proj", sharded=True),
 })
 # resid_mid is written where attention's output meets the residual: norm(attn_out, resid_pre).
 COMMON_VLLM_WRITES = MappingProxyType({

@@ -57,6 +57,7 @@ SPEC = ArchSpec(
         "attn_out": VllmTap("module_out", H + ".attn"),
         "mlp_out": VllmTap("module_out", H + ".mlp"),
         "z": VllmTap("module_in", H + ".attn.c_proj", "heads", sharded=True),
+        "mlp_act": VllmTap("module_in", H + ".mlp.c_proj", sharded=True),
     },
     vllm_final_norm_path="transformer.ln_f",
 )
