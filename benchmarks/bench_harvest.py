@@ -23,17 +23,10 @@ import tempfile
 import torch
 
 from _timing import interleaved_medians
+from bench_vllm import _plain_engine  # the same plain engines as the runtime benchmark
 
 TARGETS = {"harvest, vLLM (hooks)": ("plain eager vLLM prefill", 0.7),
            "harvest, vllm-static": ("plain compiled vLLM prefill", 0.8)}
-
-
-def _plain_engine(path, max_model_len: int, compiled: bool):
-    from vllm import LLM, envs
-
-    envs.disable_envs_cache()
-    return LLM(model=str(path), dtype=torch.float32, enforce_eager=not compiled, enable_prefix_caching=False,
-               seed=0, max_model_len=max_model_len, kv_cache_memory_bytes=1 << 30)
 
 
 def main() -> None:
