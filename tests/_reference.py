@@ -86,6 +86,12 @@ def _hooks() -> Iterator[Callable]:
             h.remove()
 
 
+# Routed-MoE archs whose router is ``layer.mlp.gate`` returning (logits, weights, indices), and
+# those among them that select by softmax over all experts, then top-k (recomputed here).
+_ROUTED = ("qwen3_moe", "mixtral", "deepseek_v4")
+_SOFTMAX_TOPK = ("qwen3_moe", "mixtral")
+
+
 def _first_input(args, kwargs):
     return args[0] if args else kwargs["hidden_states"]
 
@@ -124,7 +130,7 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
             add(layer, put_in(("resid_pre", L)), pre=True)
             add(layer, put(("resid_post", L)))
             attn = layer.self_attn
-            if arch == "gemma2":
+            if arch in ("gemma2", "gemma3"):  # sandwich norms: a block adds its post-norms
                 add(layer.post_attention_layernorm, put(("attn_out", L)))
                 add(layer.pre_feedforward_layernorm, put_in(("resid_mid", L)), pre=True)
                 add(layer.post_feedforward_layernorm, put(("mlp_out", L)))
@@ -145,7 +151,7 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
                 add(attn.k_proj, put(("k_proj", L)))
                 add(attn.v_proj, put(("v_proj", L)))
                 add(attn.o_proj, put_in(("o_proj_in", L)), pre=True)
-            if arch in ("qwen3_moe", "deepseek_v4"):
+            if arch in _ROUTED:
                 add(layer.mlp.gate, put_in(("gate_in", L)), pre=True)
                 add(layer.mlp.gate, put(("gate_out", L)))
             elif hasattr(layer.mlp, "gate_up_proj"):  # Phi-3: gate | up fused
@@ -174,24 +180,24 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
             attn = layer.self_attn
             q = got[("q_proj", L)].view(b, p, n_heads, d_head)
             k = got[("k_proj", L)].view(b, p, n_kv, d_head)
-            if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before rotary
+            if hasattr(attn, "q_norm"):  # Qwen3, Gemma 3: per-head RMSNorm before rotary
                 q, k = attn.q_norm(q), attn.k_norm(k)
             ref[("q", L)], ref[("k", L)] = q, k
             ref[("v", L)] = got[("v_proj", L)].view(b, p, n_kv, d_head)
             ref[("z", L)] = got[("o_proj_in", L)].view(b, p, n_heads, d_head)
             ref[("o_proj_out", L)] = got.get(("o_proj_out", L))
-        if arch in ("qwen3_moe", "deepseek_v4"):
+        if arch in _ROUTED:
             gate = layer.mlp.gate
             logits, weights, indices = got[("gate_out", L)]
             ref[("router_logits", L)] = logits.reshape(b, p, -1)
-            if arch == "qwen3_moe":
+            if arch in _SOFTMAX_TOPK:
                 # Recompute the router from its input: softmax, top-k, renormalise.
                 x = got[("gate_in", L)].reshape(-1, gate.weight.shape[1])
                 mine = F.linear(x, gate.weight).reshape(b, p, -1)
                 torch.testing.assert_close(mine, ref[("router_logits", L)], rtol=1e-5, atol=1e-5)
                 probs = torch.softmax(mine.float(), dim=-1)
                 top_w, top_i = torch.topk(probs, gate.top_k, dim=-1)
-                if gate.norm_topk_prob:
+                if arch == "mixtral" or gate.norm_topk_prob:  # Mixtral always renormalises
                     top_w = top_w / top_w.sum(dim=-1, keepdim=True)
                 ref[("expert_indices", L)] = top_i
                 ref[("expert_weights", L)] = top_w.to(mine.dtype)
