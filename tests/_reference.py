@@ -130,7 +130,11 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
             add(layer, put_in(("resid_pre", L)), pre=True)
             add(layer, put(("resid_post", L)))
             attn = layer.self_attn
-            if arch in ("gemma2", "gemma3"):  # sandwich norms: a block adds its post-norms
+            if arch == "olmo2":  # post-norm: a block adds its post-norms; the MLP reads resid_mid
+                add(layer.post_attention_layernorm, put(("attn_out", L)))
+                add(layer.mlp, put_in(("resid_mid", L)), pre=True)
+                add(layer.post_feedforward_layernorm, put(("mlp_out", L)))
+            elif arch in ("gemma2", "gemma3"):  # sandwich norms: a block adds its post-norms
                 add(layer.post_attention_layernorm, put(("attn_out", L)))
                 add(layer.pre_feedforward_layernorm, put_in(("resid_mid", L)), pre=True)
                 add(layer.post_feedforward_layernorm, put(("mlp_out", L)))
@@ -180,7 +184,10 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
             attn = layer.self_attn
             q = got[("q_proj", L)].view(b, p, n_heads, d_head)
             k = got[("k_proj", L)].view(b, p, n_kv, d_head)
-            if hasattr(attn, "q_norm"):  # Qwen3, Gemma 3: per-head RMSNorm before rotary
+            if arch == "olmo2":  # one RMSNorm over all heads together, before the head split
+                q = attn.q_norm(got[("q_proj", L)]).view(b, p, n_heads, d_head)
+                k = attn.k_norm(got[("k_proj", L)]).view(b, p, n_kv, d_head)
+            elif hasattr(attn, "q_norm"):  # Qwen3, Gemma 3: per-head RMSNorm before rotary
                 q, k = attn.q_norm(q), attn.k_norm(k)
             ref[("q", L)], ref[("k", L)] = q, k
             ref[("v", L)] = got[("v_proj", L)].view(b, p, n_kv, d_head)
