@@ -47,8 +47,9 @@ class Tap:
 class VllmTap:
     """Where a point lives inside vLLM's fused decoder layers, which return ``(h, r)`` with
     ``resid_post = h + r`` (``r`` is resid_mid, ``h`` is mlp_out) and take
-    ``(positions, hidden, residual)`` with ``resid_pre = hidden + residual`` (``residual`` is
-    None at layer 0, where ``hidden`` is the embeddings).
+    ``(positions, hidden, residual)`` (or ``(hidden, positions, residual)``: the spec's
+    ``vllm_layer_hidden_arg``) with ``resid_pre = hidden + residual`` (``residual`` is None at
+    layer 0, where ``hidden`` is the embeddings).
 
     ``source``: ``layer_in`` (resid_pre), ``layer_sum`` (h + r), ``layer_r``, ``layer_h``,
     ``module_out`` / ``module_in`` (output / first input of ``path``), ``fused_in_sum``
@@ -107,6 +108,9 @@ class ArchSpec:
     # Transformers backend and the map is derived from the eager one (see __post_init__).
     vllm: Mapping[str, VllmTap] = field(default_factory=lambda: MappingProxyType({}))
     vllm_writes: Mapping[str, VllmTap] = field(default_factory=lambda: MappingProxyType({}))
+    # Where hidden_states sits in a call of vLLM's decoder layer: Llama-family layers are called
+    # as (positions, hidden_states, residual), GPT-OSS's as (hidden_states, positions, residual).
+    vllm_layer_hidden_arg: int = 1
     vllm_final_norm_path: str = "model.norm"
     vllm_unembed_path: str = "lm_head"
     # With an empty ``vllm`` map: why vLLM cannot run this architecture at all (its refusal).

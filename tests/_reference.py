@@ -146,7 +146,7 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
             else:
                 add(attn, put_out0(("attn_out", L)))
                 add(layer.post_attention_layernorm, put_in(("resid_mid", L)), pre=True)
-                add(layer.mlp, put(("mlp_out", L)))
+                add(layer.mlp, put_out0(("mlp_out", L)) if arch == "gpt_oss" else put(("mlp_out", L)))
             if hasattr(attn, "qkv_proj"):  # Phi-3: one fused projection, q | k | v
                 add(attn.qkv_proj, put(("qkv_proj", L)))
                 add(attn.o_proj, put_in(("o_proj_in", L)), pre=True)
@@ -155,7 +155,10 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
                 add(attn.k_proj, put(("k_proj", L)))
                 add(attn.v_proj, put(("v_proj", L)))
                 add(attn.o_proj, put_in(("o_proj_in", L)), pre=True)
-            if arch in _ROUTED:
+            if arch == "gpt_oss":  # biased router at mlp.router; the MoE returns (hidden, scores)
+                add(layer.mlp.router, put_in(("gate_in", L)), pre=True)
+                add(layer.mlp.router, put(("gate_out", L)))
+            elif arch in _ROUTED:
                 add(layer.mlp.gate, put_in(("gate_in", L)), pre=True)
                 add(layer.mlp.gate, put(("gate_out", L)))
             elif hasattr(layer.mlp, "gate_up_proj"):  # Phi-3: gate | up fused
@@ -193,7 +196,17 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
             ref[("v", L)] = got[("v_proj", L)].view(b, p, n_kv, d_head)
             ref[("z", L)] = got[("o_proj_in", L)].view(b, p, n_heads, d_head)
             ref[("o_proj_out", L)] = got.get(("o_proj_out", L))
-        if arch in _ROUTED:
+        if arch == "gpt_oss":
+            # Recompute the router from its input: biased logits, top-k, softmax over those k.
+            router = layer.mlp.router
+            x = got[("gate_in", L)].reshape(-1, router.weight.shape[1])
+            mine = F.linear(x, router.weight, router.bias)
+            torch.testing.assert_close(mine, got[("gate_out", L)][0], rtol=1e-5, atol=1e-5)
+            top_v, top_i = torch.topk(mine, router.top_k, dim=-1)
+            ref[("router_logits", L)] = mine.reshape(b, p, -1)
+            ref[("expert_indices", L)] = top_i.reshape(b, p, -1)
+            ref[("expert_weights", L)] = torch.softmax(top_v, dim=-1).reshape(b, p, -1)
+        elif arch in _ROUTED:
             gate = layer.mlp.gate
             logits, weights, indices = got[("gate_out", L)]
             ref[("router_logits", L)] = logits.reshape(b, p, -1)
@@ -215,7 +228,7 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
                     # Hash routing: the selection is a fixed lookup of the token ids.
                     assert torch.equal(ref[("expert_indices", L)], gate.tid2eid[ids].long())
             ref[("resid_streams", L)] = got[("resid_post", L)]
-        else:
+        if arch not in _ROUTED and arch != "gpt_oss":
             act = getattr(layer.mlp, "act_fn", None) or layer.mlp.activation_fn
             ref[("mlp_pre", L)] = got[("gate_proj", L)]
             ref[("mlp_act", L)] = act(got[("gate_proj", L)]) * got[("up_proj", L)]
