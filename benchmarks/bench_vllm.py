@@ -12,7 +12,11 @@ requests, 1 and 16 at once, 32 generated tokens each:
 
 Targets (issue 10): capture <= 1.15x and steer <= 1.05x plain eager vLLM, both shapes.
 
-    .venv/bin/python benchmarks/bench_vllm.py [--arch qwen3] [--variant tiny] [--repeats 5]
+``--size full`` runs a realistic size instead of the tiny model: the arch's ``full`` recipe
+(GPT-2 small from GPT2Config() defaults, 124M, by default; ``--arch gpt_neox`` for Pythia-160M's
+shape), random weights built locally.
+
+    .venv/bin/python benchmarks/bench_vllm.py [--arch qwen3] [--variant tiny | --size full] [--repeats 5]
 """
 
 from __future__ import annotations
@@ -93,12 +97,16 @@ def _shape(name: str, in_process: bool, args) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--arch", default="qwen3")
-    parser.add_argument("--variant", default="tiny")
+    parser.add_argument("--arch", default=None, help="qwen3 by default; gpt2 with --size full")
+    parser.add_argument("--variant", default=None, help="a recipe variant of the arch (default: --size)")
+    parser.add_argument("--size", choices=("tiny", "full"), default="tiny",
+                        help="full: a realistic size (GPT-2 small, or Pythia-160M's shape with --arch gpt_neox)")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--shapes", default="in-process,multiprocess")
     args = parser.parse_args()
+    args.arch = args.arch or ("gpt2" if args.size == "full" else "qwen3")
+    args.variant = args.variant or args.size
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
     results: dict[str, dict[str, float]] = {}

@@ -178,10 +178,14 @@ _POST: dict[str | None, Callable] = {
     "heads": lambda t, graph, lead: t.reshape(*lead, graph.n_heads, graph.d_head),
     "kv_heads": lambda t, graph, lead: t.reshape(*lead, graph.n_kv_heads, graph.d_head),
     "flat": lambda t, graph, lead: t.reshape(*lead, -1),
+    # already split into heads, heads before positions ([batch, heads, pos, d_head]: Gemma 3
+    # norms q and k after moving heads forward)
+    "heads_first": lambda t, graph, lead: t.transpose(-3, -2),
 }
 
 
 def reshape_point(t: torch.Tensor, post: str | None, graph, lead: tuple[int, ...]) -> torch.Tensor:
     """A raw tap tensor as its point's shape: ``lead`` is ``(batch, pos)`` (eager) or ``(rows,)``
-    (vLLM); ``post`` splits heads (``heads``/``kv_heads``) or views flat tokens (``flat``)."""
+    (vLLM); ``post`` splits heads (``heads``/``kv_heads``), views flat tokens (``flat``) or
+    moves heads after positions (``heads_first``)."""
     return _POST[post](t, graph, lead)

@@ -20,9 +20,9 @@ from hypothesis import given, strategies as st
 
 from interp_engine import generate_stream
 from interp_engine._sampler import MIN_TEMPERATURE, draw_seed, filter_logits, gumbel_scores, new_generator
+from interp_engine.testing import VLLM_ARCHS  # every vLLM-served architecture in the registry
 from strategies import token_ids
 
-VLLM_ARCHS = ("qwen3", "llama", "gemma2", "qwen3_moe")
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 
 # fp32 logits of the tiny models agree across engines to ~1e-5 absolute (greedy law in

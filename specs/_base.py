@@ -13,6 +13,7 @@ names each part's width as a product of graph dims (``("n_heads", "d_head")``), 
 ``post`` says how to reshape the raw tensor into the point's shape:
   ``None``  already ``[batch, pos, ...]``             ``heads``/``kv_heads``: split the last dim
   ``flat``  rows are flattened tokens: view as ``[batch, pos, -1]``
+  ``heads_first``  already ``[batch, heads, pos, d_head]``: move heads after positions
 
 Each spec also carries its registry data: the HF architecture classes it serves and its tiny
 test-model recipes (``TinyRecipe``); ``specs/__init__`` finds every spec file by itself, and the
@@ -28,7 +29,7 @@ from typing import Callable, Mapping
 from interp_engine._graph import ModelGraph, ResidualBasis
 from interp_engine._points import POINTS, PointSpec, Split
 
-__all__ = ["ArchSpec", "Split", "Tap", "TinyRecipe", "VllmTap", "build_graph"]
+__all__ = ["ArchSpec", "Split", "Tap", "TinyRecipe", "VllmTap", "build_graph", "transformers_backend_taps"]
 
 
 @dataclass(frozen=True)
@@ -46,8 +47,9 @@ class Tap:
 class VllmTap:
     """Where a point lives inside vLLM's fused decoder layers, which return ``(h, r)`` with
     ``resid_post = h + r`` (``r`` is resid_mid, ``h`` is mlp_out) and take
-    ``(positions, hidden, residual)`` with ``resid_pre = hidden + residual`` (``residual`` is
-    None at layer 0, where ``hidden`` is the embeddings).
+    ``(positions, hidden, residual)`` (or ``(hidden, positions, residual)``: the spec's
+    ``vllm_layer_hidden_arg``) with ``resid_pre = hidden + residual`` (``residual`` is None at
+    layer 0, where ``hidden`` is the embeddings).
 
     ``source``: ``layer_in`` (resid_pre), ``layer_sum`` (h + r), ``layer_r``, ``layer_h``,
     ``module_out`` / ``module_in`` (output / first input of ``path``), ``fused_in_sum``
@@ -97,15 +99,24 @@ class ArchSpec:
     tiny: Mapping[str, TinyRecipe] = field(default_factory=lambda: MappingProxyType({}))
     final_norm_path: str = "model.norm"
     unembed_path: str = "lm_head"
+    # The HF ``*ForCausalLM``'s base-model attribute, under which the eager taps live
+    # (``model`` for most, ``transformer`` for GPT-2, ``gpt_neox`` for GPT-NeoX).
+    hf_base: str = "model"
     # vLLM: where each point is read, and where each steerable point is written (writes
     # default to the read tap; resid_mid is written at the fused add+norm after attention).
+    # Left empty (and no ``vllm_note`` refusal), vLLM runs the architecture through its
+    # Transformers backend and the map is derived from the eager one (see __post_init__).
     vllm: Mapping[str, VllmTap] = field(default_factory=lambda: MappingProxyType({}))
     vllm_writes: Mapping[str, VllmTap] = field(default_factory=lambda: MappingProxyType({}))
+    # Where hidden_states sits in a call of vLLM's decoder layer: Llama-family layers are called
+    # as (positions, hidden_states, residual), GPT-OSS's as (hidden_states, positions, residual).
+    vllm_layer_hidden_arg: int = 1
     vllm_final_norm_path: str = "model.norm"
     vllm_unembed_path: str = "lm_head"
+    # With an empty ``vllm`` map: why vLLM cannot run this architecture at all (its refusal).
     vllm_note: str = ""
     # vLLM's ``model_impl`` for this architecture: "" (vLLM's native model) or "transformers"
-    # (vLLM's Transformers backend, which runs the HF modules inside vLLM).
+    # (vLLM's Transformers backend, which runs the HF modules inside vLLM); set by the default door.
     vllm_model_impl: str = ""
     # Why this architecture must run the eager attention kernel on the eager backend (a feature
     # the fast SDPA kernel lacks), or "" when the fast default is exact.
@@ -116,6 +127,13 @@ class ArchSpec:
             if tap.split is not None and POINTS[name].writable:
                 raise ValueError(f"{self.arch}: point {name!r} is writable, so its tap cannot read "
                                  "one part of a fused output (a write would have nowhere to go)")
+        if not self.vllm and not self.vllm_note:
+            # The default door: no native vLLM map, so vLLM runs the HF modules themselves
+            # through its Transformers backend, under its own root ``model``.
+            object.__setattr__(self, "vllm", transformers_backend_taps(self.eager, self.hf_base))
+            object.__setattr__(self, "vllm_model_impl", "transformers")
+            object.__setattr__(self, "vllm_final_norm_path", _rebase(self.final_norm_path, self.hf_base))
+            object.__setattr__(self, "vllm_writes", MappingProxyType({}))
 
     @property
     def vllm_served(self) -> bool:
@@ -235,21 +253,27 @@ def merged(base: Mapping, **changes) -> Mapping:
 
 
 _TRANSFORMERS_SOURCES = {"in": "module_in", "out": "module_out", "out0": "module_out"}
+_TRANSFORMERS_ROOT = "model"  # where vLLM's Transformers backend keeps the HF base model
 
 
-def transformers_backend_taps(eager: Mapping[str, Tap], hf_root: str,
-                              vllm_root: str = "model") -> Mapping[str, VllmTap]:
+def _rebase(path: str, hf_base: str) -> str:
+    if not path.startswith(hf_base + "."):
+        raise ValueError(f"eager path {path!r} is not under the HF base model {hf_base!r}")
+    return _TRANSFORMERS_ROOT + path[len(hf_base):]
+
+
+def transformers_backend_taps(eager: Mapping[str, Tap], hf_base: str) -> Mapping[str, VllmTap]:
     """The vLLM map of an architecture that vLLM runs through its Transformers backend
-    (``model_impl="transformers"``): the same HF modules, under ``vllm_root`` instead of the
-    HF ``*ForCausalLM``'s ``hf_root``, read at their inputs and outputs. Derived from the eager
-    map for every point vLLM can serve; fused-split taps stay eager-only."""
+    (``model_impl="transformers"``): the same HF modules, under the backend's ``model`` instead
+    of the HF ``*ForCausalLM``'s ``hf_base``, read at their inputs and outputs. Derived from the
+    eager map for every point vLLM can serve; fused-split taps stay eager-only. A write at a
+    module input edits the tensor in place on vLLM, so a block that keeps that tensor as its
+    residual (``residual = h; h = mlp(h)``) sees it on both paths, as eager's resid_mid does."""
     out = {}
     for name, tap in eager.items():
         point = POINTS[name]
         if not point.vllm or tap.split is not None or tap.how not in _TRANSFORMERS_SOURCES:
             continue
-        if not tap.path.startswith(hf_root + "."):
-            raise ValueError(f"eager tap {name!r} ({tap.path}) is not under {hf_root!r}")
-        path = vllm_root + tap.path[len(hf_root):]
-        out[name] = VllmTap(_TRANSFORMERS_SOURCES[tap.how], path, tap.post, sharded=name == "z")
+        out[name] = VllmTap(_TRANSFORMERS_SOURCES[tap.how], _rebase(tap.path, hf_base), tap.post,
+                            sharded=name == "z")
     return MappingProxyType(out)

@@ -4,12 +4,12 @@ embedding, and one fused ``query_key_value`` laid out per head as q | k | v.
 
 resid_mid has no meaning in a parallel block: the graph refuses it with capability
 ``sequential_block`` and says so in its residual-basis description. vLLM 0.32 has no native
-GPT-NeoX model: it runs the HF modules through its Transformers backend, and the vLLM map is
-the eager one moved under that backend's root (``transformers_backend_taps``)."""
+GPT-NeoX model: it runs the HF modules through its Transformers backend, the default for a
+spec with no vLLM map (the map is the eager one moved under that backend's root)."""
 
 from interp_engine._graph import ResidualBasis
 
-from ._base import ArchSpec, Split, Tap, TinyRecipe, build_graph, transformers_backend_taps
+from ._base import ArchSpec, Split, Tap, TinyRecipe, build_graph
 
 L_ = "gpt_neox.layers.{L}"
 _QKV = L_ + ".attention.query_key_value"
@@ -60,7 +60,5 @@ SPEC = ArchSpec(
     graph_from_config=_graph,
     eager=_EAGER,
     final_norm_path="gpt_neox.final_layer_norm",
-    vllm=transformers_backend_taps(_EAGER, "gpt_neox"),
-    vllm_model_impl="transformers",
-    vllm_final_norm_path="model.final_layer_norm",
+    hf_base="gpt_neox",
 )

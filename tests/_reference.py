@@ -86,6 +86,12 @@ def _hooks() -> Iterator[Callable]:
             h.remove()
 
 
+# Routed-MoE archs whose router is ``layer.mlp.gate`` returning (logits, weights, indices), and
+# those among them that select by softmax over all experts, then top-k (recomputed here).
+_ROUTED = ("qwen3_moe", "mixtral", "deepseek_v4")
+_SOFTMAX_TOPK = ("qwen3_moe", "mixtral")
+
+
 def _first_input(args, kwargs):
     return args[0] if args else kwargs["hidden_states"]
 
@@ -124,7 +130,11 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
             add(layer, put_in(("resid_pre", L)), pre=True)
             add(layer, put(("resid_post", L)))
             attn = layer.self_attn
-            if arch == "gemma2":
+            if arch == "olmo2":  # post-norm: a block adds its post-norms; the MLP reads resid_mid
+                add(layer.post_attention_layernorm, put(("attn_out", L)))
+                add(layer.mlp, put_in(("resid_mid", L)), pre=True)
+                add(layer.post_feedforward_layernorm, put(("mlp_out", L)))
+            elif arch in ("gemma2", "gemma3"):  # sandwich norms: a block adds its post-norms
                 add(layer.post_attention_layernorm, put(("attn_out", L)))
                 add(layer.pre_feedforward_layernorm, put_in(("resid_mid", L)), pre=True)
                 add(layer.post_feedforward_layernorm, put(("mlp_out", L)))
@@ -136,7 +146,7 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
             else:
                 add(attn, put_out0(("attn_out", L)))
                 add(layer.post_attention_layernorm, put_in(("resid_mid", L)), pre=True)
-                add(layer.mlp, put(("mlp_out", L)))
+                add(layer.mlp, put_out0(("mlp_out", L)) if arch == "gpt_oss" else put(("mlp_out", L)))
             if hasattr(attn, "qkv_proj"):  # Phi-3: one fused projection, q | k | v
                 add(attn.qkv_proj, put(("qkv_proj", L)))
                 add(attn.o_proj, put_in(("o_proj_in", L)), pre=True)
@@ -145,7 +155,10 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
                 add(attn.k_proj, put(("k_proj", L)))
                 add(attn.v_proj, put(("v_proj", L)))
                 add(attn.o_proj, put_in(("o_proj_in", L)), pre=True)
-            if arch in ("qwen3_moe", "deepseek_v4"):
+            if arch == "gpt_oss":  # biased router at mlp.router; the MoE returns (hidden, scores)
+                add(layer.mlp.router, put_in(("gate_in", L)), pre=True)
+                add(layer.mlp.router, put(("gate_out", L)))
+            elif arch in _ROUTED:
                 add(layer.mlp.gate, put_in(("gate_in", L)), pre=True)
                 add(layer.mlp.gate, put(("gate_out", L)))
             elif hasattr(layer.mlp, "gate_up_proj"):  # Phi-3: gate | up fused
@@ -174,24 +187,37 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
             attn = layer.self_attn
             q = got[("q_proj", L)].view(b, p, n_heads, d_head)
             k = got[("k_proj", L)].view(b, p, n_kv, d_head)
-            if hasattr(attn, "q_norm"):  # Qwen3: per-head RMSNorm before rotary
+            if arch == "olmo2":  # one RMSNorm over all heads together, before the head split
+                q = attn.q_norm(got[("q_proj", L)]).view(b, p, n_heads, d_head)
+                k = attn.k_norm(got[("k_proj", L)]).view(b, p, n_kv, d_head)
+            elif hasattr(attn, "q_norm"):  # Qwen3, Gemma 3: per-head RMSNorm before rotary
                 q, k = attn.q_norm(q), attn.k_norm(k)
             ref[("q", L)], ref[("k", L)] = q, k
             ref[("v", L)] = got[("v_proj", L)].view(b, p, n_kv, d_head)
             ref[("z", L)] = got[("o_proj_in", L)].view(b, p, n_heads, d_head)
             ref[("o_proj_out", L)] = got.get(("o_proj_out", L))
-        if arch in ("qwen3_moe", "deepseek_v4"):
+        if arch == "gpt_oss":
+            # Recompute the router from its input: biased logits, top-k, softmax over those k.
+            router = layer.mlp.router
+            x = got[("gate_in", L)].reshape(-1, router.weight.shape[1])
+            mine = F.linear(x, router.weight, router.bias)
+            torch.testing.assert_close(mine, got[("gate_out", L)][0], rtol=1e-5, atol=1e-5)
+            top_v, top_i = torch.topk(mine, router.top_k, dim=-1)
+            ref[("router_logits", L)] = mine.reshape(b, p, -1)
+            ref[("expert_indices", L)] = top_i.reshape(b, p, -1)
+            ref[("expert_weights", L)] = torch.softmax(top_v, dim=-1).reshape(b, p, -1)
+        elif arch in _ROUTED:
             gate = layer.mlp.gate
             logits, weights, indices = got[("gate_out", L)]
             ref[("router_logits", L)] = logits.reshape(b, p, -1)
-            if arch == "qwen3_moe":
+            if arch in _SOFTMAX_TOPK:
                 # Recompute the router from its input: softmax, top-k, renormalise.
                 x = got[("gate_in", L)].reshape(-1, gate.weight.shape[1])
                 mine = F.linear(x, gate.weight).reshape(b, p, -1)
                 torch.testing.assert_close(mine, ref[("router_logits", L)], rtol=1e-5, atol=1e-5)
                 probs = torch.softmax(mine.float(), dim=-1)
                 top_w, top_i = torch.topk(probs, gate.top_k, dim=-1)
-                if gate.norm_topk_prob:
+                if arch == "mixtral" or gate.norm_topk_prob:  # Mixtral always renormalises
                     top_w = top_w / top_w.sum(dim=-1, keepdim=True)
                 ref[("expert_indices", L)] = top_i
                 ref[("expert_weights", L)] = top_w.to(mine.dtype)
@@ -202,7 +228,7 @@ def reference_points(model, ids: torch.Tensor) -> dict[tuple[str, int], torch.Te
                     # Hash routing: the selection is a fixed lookup of the token ids.
                     assert torch.equal(ref[("expert_indices", L)], gate.tid2eid[ids].long())
             ref[("resid_streams", L)] = got[("resid_post", L)]
-        else:
+        if arch not in _ROUTED and arch != "gpt_oss":
             act = getattr(layer.mlp, "act_fn", None) or layer.mlp.activation_fn
             ref[("mlp_pre", L)] = got[("gate_proj", L)]
             ref[("mlp_act", L)] = act(got[("gate_proj", L)]) * got[("up_proj", L)]

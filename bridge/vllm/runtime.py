@@ -315,9 +315,10 @@ class Runtime:
         work = site.pre
         sources = {w[1] for w in work}
         args = list(args)
-        if "layer_in" in sources:  # decoder layer (positions, hidden, residual)
+        if "layer_in" in sources:  # decoder layer (positions, hidden, residual) or (hidden, positions, residual)
             in_kw = "hidden_states" in kwargs
-            hidden = kwargs["hidden_states"] if in_kw else args[1]
+            at = self.spec.vllm_layer_hidden_arg
+            hidden = kwargs["hidden_states"] if in_kw else args[at]
             residual = kwargs.get("residual", args[2] if len(args) > 2 else None)
             new = self._apply(work, "layer_in", hidden, residual,
                               lambda h: h if residual is None else h + residual)
@@ -325,7 +326,7 @@ class Runtime:
                 if in_kw:
                     kwargs = dict(kwargs, hidden_states=new)
                 else:
-                    args[1] = new
+                    args[at] = new
         if "fused_in_sum" in sources:  # norm(x, residual): the point is x + residual
             x, residual = args[0], args[1] if len(args) > 1 else kwargs.get("residual")
             args[0] = self._apply(work, "fused_in_sum", x, residual, lambda v: v + residual)

@@ -17,6 +17,7 @@ Memory (allocated once, on the model's device, in the model's dtype):
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -117,7 +118,8 @@ class StaticTaps:
             layer_path = self.spec.vllm["resid_post"].module_path(layer)
             layer_work = {k[:2]: v for k, v in work.items() if k[1].startswith("layer_")}
             if layer_work:
-                _wrap(self.root.get_submodule(layer_path), _layer_forward, layer_work)
+                _wrap(self.root.get_submodule(layer_path),
+                      functools.partial(_layer_forward, hidden_arg=self.spec.vllm_layer_hidden_arg), layer_work)
             modules = collections.defaultdict(dict)
             for (kind, source, path), items in work.items():
                 if not source.startswith("layer_"):
@@ -262,15 +264,20 @@ def _run_point(work: dict, source: str, x: torch.Tensor, base: torch.Tensor | No
         tap.run(x, base)
 
 
-def _layer_forward(original: Callable, work: dict) -> Callable:
+def _layer_forward(original: Callable, work: dict, hidden_arg: int = 1) -> Callable:
+    """A decoder layer called as (positions, hidden_states, residual), or with hidden_states
+    first (``hidden_arg`` 0: GPT-OSS)."""
     has_in = ("w", "layer_in") in work or ("r", "layer_in") in work
 
-    def forward(positions, hidden_states, residual, *args, **kwargs):
+    def forward(*call, **kwargs):
+        call = list(call)
+        hidden_states, residual = call[hidden_arg], call[2]
         if has_in:
             if ("w", "layer_in") in work and residual is None:
                 hidden_states = hidden_states.clone()  # layer 0: never write into vLLM's input buffer
             _run_point(work, "layer_in", hidden_states, residual)
-        h, r = original(positions, hidden_states, residual, *args, **kwargs)
+        call[hidden_arg] = hidden_states
+        h, r = original(*call, **kwargs)
         # eager order: the MLP's output (h) is written and read first; resid_post = h + r after
         _run_point(work, "layer_h", h, None)
         _run_point(work, "layer_r", r, None)

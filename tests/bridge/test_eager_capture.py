@@ -39,7 +39,12 @@ def captured(eager_models, hf_copies):
             if model.residual_basis.n_streams > 1:
                 addresses += [Address("resid_streams", L, s) for L in range(model.n_layers)
                               for s in range(model.residual_basis.n_streams)]
-            cache = run_with_cache(model, ids, addresses)
+            # pattern runs the eager attention kernel, the other points the model's own (as the
+            # reference does): the kernels agree to fp32 rounding, not within 1e-5 at every scale
+            patterns_at = [a for a in addresses if a.name == "pattern"]
+            cache = {"": run_with_cache(model, ids, [a for a in addresses if a.name != "pattern"])}
+            if patterns_at:
+                cache["pattern"] = run_with_cache(model, ids, patterns_at)
             ref = reference_points(model, ids)
             hidden, patterns = reference_outputs(hf_copies[arch], ids,
                                                  with_attentions=arch != "deepseek_v4")
@@ -57,7 +62,7 @@ def test_point_matches_hf_reference(captured, arch, name):
     layers = g.layers_of(name)
     assert layers, f"{name} listed on {arch} but at no layer"
     for L in layers:
-        got = cache.get(name, L)
+        got = cache.get(name, cache[""]).get(name, L)
         assert got.shape == g.shape_of(Address(name, L), b, p), (name, L, got.shape)
         if name == "pattern":
             want = patterns[L]
@@ -75,8 +80,8 @@ def test_point_matches_hf_reference(captured, arch, name):
             torch.testing.assert_close(got, want.to(got.dtype), **TOL, msg=f"{arch} {name}.{L}")
         if name == "resid_streams":
             for s in range(g.residual_basis.n_streams):
-                torch.testing.assert_close(cache.get(name, L, s), want[:, :, s], **TOL)
-                assert cache.get(name, L, s).shape == (b, p, g.d_model)
+                torch.testing.assert_close(cache[""].get(name, L, s), want[:, :, s], **TOL)
+                assert cache[""].get(name, L, s).shape == (b, p, g.d_model)
 
 
 def test_last_layer_resid_post_feeds_the_head(eager_model):

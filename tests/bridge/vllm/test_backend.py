@@ -307,7 +307,10 @@ def test_head_contributions_run_where_the_weights_are(pair):
     hv = head_contributions(vllm, cv, 1)
     assert hv.shape == (1, tokens.shape[1], eager.graph.n_heads, eager.d_model)
     assert_close_scaled(hv, head_contributions(eager, ce, 1), msg="heads")
-    if eager.graph.arch != "gemma2":  # Gemma 2 normalises attention's output before adding it
+    eager_map = eager.backend.spec.eager
+    # Sandwich-norm models (Gemma 2/3, OLMo 2) normalise attention's output before adding it:
+    # there attn_out is read at a norm after the attention module, and is no sum over heads.
+    if eager_map["attn_out"].path == eager_map["pattern"].path:
         o_proj = eager.hf.get_submodule(eager.backend.spec.eager["z"].module_path(1))
         bias = o_proj.bias if o_proj.bias is not None else 0.0  # GPT-2's c_proj has one
         assert_close_scaled(hv.sum(2) + bias, cv["attn_out.1"], msg="sum over heads")

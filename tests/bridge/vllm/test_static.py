@@ -191,7 +191,7 @@ def test_new_vectors_and_row_maps_never_recompile(qwen3):
     assert _info(model)["counts"] == before
 
 
-@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["llama", "gemma2", "qwen3_moe", "gpt_oss"])  # gpt_oss: hidden_states first
 def test_other_architectures_capture_and_steer_like_eager(model_pool, arch):
     eager = model_pool.get(arch)
     model = model_pool.get(arch, "vllm-static", **_declared())

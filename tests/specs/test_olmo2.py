@@ -1,0 +1,68 @@
+"""OLMo 2: post-norm placement (no norm before a sublayer; each sublayer's output is normed
+before it is added), q/k normed over all heads together. Every point is checked against the HF
+modules in tests/bridge/test_eager_capture.py and eager == vLLM (through vLLM's Transformers
+backend, the default door) in tests/bridge/vllm/test_backend.py; here: what post-norm changes,
+and the door itself."""
+
+from __future__ import annotations
+
+import torch
+
+from interp_engine import SteerSpec, run_with_cache, steer
+from specs import SPECS
+from tests._reference import PROMPT, add_at_output
+
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def test_sublayers_read_the_raw_residual_and_add_a_normed_output(eager_models):
+    model = eager_models["olmo2"]
+    g = model.graph
+    ids = model.to_tokens(PROMPT)
+    names = ("resid_pre", "resid_mid", "attn_out", "mlp_out", "q", "z")
+    cache = run_with_cache(model, ids, [f"{n}.{L}" for n in names for L in range(model.n_layers)])
+    for L in range(model.n_layers):
+        layer = model.hf.model.layers[L]
+        attn = layer.self_attn
+        with torch.no_grad():
+            q = attn.q_norm(attn.q_proj(cache.get("resid_pre", L)))  # no norm in front
+            attn_out = layer.post_attention_layernorm(attn.o_proj(cache.get("z", L).flatten(-2)))
+            mlp_out = layer.post_feedforward_layernorm(layer.mlp(cache.get("resid_mid", L)))
+        torch.testing.assert_close(cache.get("q", L), q.view(1, -1, g.n_heads, g.d_head), **TOL)
+        torch.testing.assert_close(cache.get("attn_out", L), attn_out, **TOL)
+        torch.testing.assert_close(cache.get("mlp_out", L), mlp_out, **TOL)
+
+
+def test_resid_mid_steering_reaches_the_mlp_and_the_residual(eager_models):
+    """Adding v at resid_mid.1 == adding it to post_attention_layernorm's output by hand."""
+    model = eager_models["olmo2"]
+    ids = model.to_tokens(PROMPT)
+    v = torch.randn(model.d_model, generator=torch.Generator().manual_seed(2))
+    with steer(model, SteerSpec.add("resid_mid.1", v, scale=2.0)):
+        logits, _ = run_with_cache(model, ids, [], return_logits=True)
+    handle = add_at_output(model.hf.model.layers[1].post_attention_layernorm, lambda out: 2.0 * v)
+    try:
+        with torch.no_grad():
+            want = model.hf(ids).logits
+    finally:
+        handle.remove()
+    torch.testing.assert_close(logits, want, **TOL)
+    plain, _ = run_with_cache(model, ids, [], return_logits=True)
+    assert not torch.allclose(plain, want, atol=1e-3)
+
+
+def test_the_transformers_backend_is_the_default_door():
+    """A spec with no vLLM map (and no stated refusal) runs through vLLM's Transformers
+    backend, its map the eager one under the backend's root; a stated refusal stays one."""
+    spec = SPECS["olmo2"]
+    assert spec.vllm_model_impl == "transformers" and spec.vllm_served
+    assert spec.vllm["resid_mid"].path == "model.layers.{L}.mlp" == spec.eager["resid_mid"].path
+    assert spec.vllm["attn_out"].source == "module_out"
+    assert spec.vllm_final_norm_path == "model.norm"
+    assert "q" not in spec.vllm  # vLLM serves no attention internals
+    neox = SPECS["gpt_neox"]
+    assert neox.vllm_model_impl == "transformers"
+    assert neox.vllm["resid_pre"].path == "model.layers.{L}" and neox.vllm_final_norm_path == "model.final_layer_norm"
+    assert not SPECS["deepseek_v4"].vllm_served and SPECS["deepseek_v4"].vllm_model_impl == ""
+    for native in ("qwen3", "gpt2", "gemma3", "mixtral"):
+        assert SPECS[native].vllm_model_impl == ""
