@@ -241,6 +241,21 @@ COMMON_VLLM_WRITES = MappingProxyType({
     "resid_mid": VllmTap("fused_in_sum", LAYER + ".post_attention_layernorm"),
 })
 
+# Gemma's sandwich norms: each sublayer's output is normed before it joins the residual, so
+# attn_out and mlp_out are read after the post-sublayer norms, and resid_mid before the
+# pre-feedforward norm. On vLLM, attention's output meets the residual at that fused norm.
+SANDWICH_EAGER = MappingProxyType({
+    "attn_out": Tap(LAYER + ".post_attention_layernorm", "out"),
+    "resid_mid": Tap(LAYER + ".pre_feedforward_layernorm", "in"),
+    "mlp_out": Tap(LAYER + ".post_feedforward_layernorm", "out"),
+})
+SANDWICH_VLLM = MappingProxyType({
+    "attn_out": VllmTap("module_out", LAYER + ".post_attention_layernorm"),
+})
+SANDWICH_VLLM_WRITES = MappingProxyType({
+    "resid_mid": VllmTap("fused_in_sum", LAYER + ".pre_feedforward_layernorm"),
+})
+
 
 def merged(base: Mapping, **changes) -> Mapping:
     out = dict(base)

@@ -1,8 +1,8 @@
 """Gemma 2 (Gemma2ForCausalLM): sandwich norms around attention and MLP, scaled embeddings,
 final logit soft-capping. What a block adds to the residual is the output of its post-norm."""
 
-from ._base import (COMMON_EAGER, COMMON_VLLM, LAYER, TINY_SHAPE, ArchSpec, Tap, TinyRecipe, VllmTap,
-                    build_graph, merged)
+from ._base import (COMMON_EAGER, COMMON_VLLM, SANDWICH_EAGER, SANDWICH_VLLM, SANDWICH_VLLM_WRITES,
+                    TINY_SHAPE, ArchSpec, TinyRecipe, build_graph, merged)
 
 _TINY = TinyRecipe(
     "Gemma2Config", seed=3, adds_bos=True,
@@ -34,18 +34,9 @@ SPEC = ArchSpec(
     hf_classes=("Gemma2ForCausalLM",),
     tiny={"tiny": _TINY},
     graph_from_config=lambda config: build_graph(SPEC, config, d_mlp=int(config.intermediate_size)),
-    eager=merged(
-        COMMON_EAGER,
-        attn_out=Tap(LAYER + ".post_attention_layernorm", "out"),
-        resid_mid=Tap(LAYER + ".pre_feedforward_layernorm", "in"),
-        mlp_out=Tap(LAYER + ".post_feedforward_layernorm", "out"),
-    ),
-    vllm=merged(
-        COMMON_VLLM,
-        attn_out=VllmTap("module_out", LAYER + ".post_attention_layernorm"),
-    ),
-    # Gemma 2 adds attention to the residual at the pre-feedforward fused norm.
-    vllm_writes=merged({}, resid_mid=VllmTap("fused_in_sum", LAYER + ".pre_feedforward_layernorm")),
+    eager=merged(COMMON_EAGER, **SANDWICH_EAGER),
+    vllm=merged(COMMON_VLLM, **SANDWICH_VLLM),
+    vllm_writes=SANDWICH_VLLM_WRITES,
     vllm_unembed_path="model.embed_tokens",  # vLLM ties Gemma 2 logits to the embedding
     eager_attention_only="SDPA silently drops Gemma 2's attention-logit soft-capping",
 )

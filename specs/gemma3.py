@@ -6,8 +6,8 @@ What a block adds to the residual is the output of its post-norm. Gemma 3 norms 
 moving heads before positions, so those taps read ``[batch, heads, pos, d_head]``
 (``heads_first``). vLLM runs it natively, fused like Gemma 2."""
 
-from ._base import (COMMON_EAGER, COMMON_VLLM, LAYER, TINY_SHAPE, ArchSpec, Tap, TinyRecipe, VllmTap,
-                    build_graph, merged)
+from ._base import (COMMON_EAGER, COMMON_VLLM, LAYER, SANDWICH_EAGER, SANDWICH_VLLM,
+                    SANDWICH_VLLM_WRITES, TINY_SHAPE, ArchSpec, Tap, TinyRecipe, build_graph, merged)
 
 _TINY = TinyRecipe(
     "Gemma3TextConfig", seed=13, adds_bos=True,
@@ -41,13 +41,10 @@ SPEC = ArchSpec(
     graph_from_config=lambda config: build_graph(SPEC, config, d_mlp=int(config.intermediate_size)),
     eager=merged(
         COMMON_EAGER,
-        attn_out=Tap(LAYER + ".post_attention_layernorm", "out"),
-        resid_mid=Tap(LAYER + ".pre_feedforward_layernorm", "in"),
-        mlp_out=Tap(LAYER + ".post_feedforward_layernorm", "out"),
+        **SANDWICH_EAGER,
         q=Tap(LAYER + ".self_attn.q_norm", "out", "heads_first"),
         k=Tap(LAYER + ".self_attn.k_norm", "out", "heads_first"),
     ),
-    vllm=merged(COMMON_VLLM, attn_out=VllmTap("module_out", LAYER + ".post_attention_layernorm")),
-    # Gemma 3 adds attention to the residual at the pre-feedforward fused norm.
-    vllm_writes=merged({}, resid_mid=VllmTap("fused_in_sum", LAYER + ".pre_feedforward_layernorm")),
+    vllm=merged(COMMON_VLLM, **SANDWICH_VLLM),
+    vllm_writes=SANDWICH_VLLM_WRITES,
 )

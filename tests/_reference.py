@@ -328,3 +328,25 @@ def add_at_output(module: nn.Module, delta_fn: Callable[[torch.Tensor], torch.Te
         items[index] = items[index] + delta_fn(items[index])
         return tuple(items)
     return module.register_forward_hook(hook)
+
+
+def assert_resid_mid_add_is_a_hand_add(model, module: nn.Module, index=None, seed: int = 0,
+                                        tol: dict | None = None) -> None:
+    """Steering ``add`` at resid_mid.1 (scale 2) gives the logits of adding the same vector by
+    hand at ``module``'s output (element ``index`` of a tuple), and differs from the plain run."""
+    from interp_engine import SteerSpec, run_with_cache, steer
+
+    tol = tol or {"rtol": 1e-5, "atol": 1e-5}
+    ids = model.to_tokens(PROMPT)
+    v = torch.randn(model.d_model, generator=torch.Generator().manual_seed(seed))
+    with steer(model, SteerSpec.add("resid_mid.1", v, scale=2.0)):
+        logits, _ = run_with_cache(model, ids, [], return_logits=True)
+    handle = add_at_output(module, lambda out: 2.0 * v, index=index)
+    try:
+        with torch.no_grad():
+            want = model.hf(ids).logits
+    finally:
+        handle.remove()
+    torch.testing.assert_close(logits, want, **tol)
+    plain, _ = run_with_cache(model, ids, [], return_logits=True)
+    assert not torch.allclose(plain, want, atol=1e-3)

@@ -39,8 +39,8 @@ def down_proj(hf, layer: int):
     return hf.model.layers[layer].mlp.down_proj
 
 
-def hf_logits(model, ids, edits=()) -> torch.Tensor:
-    """Logits of the HF model with ``edits`` = [(module, "in"|"out", fn(x) -> x)] hooked."""
+def hook_edits(edits) -> list:
+    """Hook ``edits`` = [(module, "in"|"out", fn(x) -> x)] onto HF modules; the handles."""
     handles = []
     for module, how, fn in edits:
         if how == "in":
@@ -50,6 +50,12 @@ def hf_logits(model, ids, edits=()) -> torch.Tensor:
             def post(mod, args, out, fn=fn):
                 return (fn(out[0]),) + tuple(out[1:]) if isinstance(out, tuple) else fn(out)
             handles.append(module.register_forward_hook(post))
+    return handles
+
+
+def hf_logits(model, ids, edits=()) -> torch.Tensor:
+    """Logits of the HF model with ``edits`` = [(module, "in"|"out", fn(x) -> x)] hooked."""
+    handles = hook_edits(edits)
     try:
         with torch.no_grad():
             return model.hf(ids).logits
@@ -83,6 +89,24 @@ def on_heads(fn, n_heads: int, heads, positions=None):
         for h in heads:
             view[:, cols, h] = fn(view[:, cols, h].clone(), h)
         return out
+    return edit
+
+
+def ablate_on_heads(direction, n_heads: int, heads):
+    """Edit ``[batch, pos, n_heads * d_head]``: remove the component along ``direction``
+    (``[n_heads, d_head]``), taken over the selected heads together (their slices concatenated)."""
+    dh = direction.shape[-1]
+    u = torch.cat([direction[h] for h in heads])
+    u = u / u.norm()
+
+    def edit(x):
+        view = x.view(*x.shape[:-1], n_heads, dh)
+        sub = torch.cat([view[..., h, :] for h in heads], dim=-1)
+        sub = sub - (sub @ u).unsqueeze(-1) * u
+        out = view.clone()
+        for i, h in enumerate(heads):
+            out[..., h, :] = sub[..., i * dh:(i + 1) * dh]
+        return out.reshape(x.shape)
     return edit
 
 
@@ -130,17 +154,7 @@ def test_head_ops_on_z_equal_editing_the_heads_slice_of_o_proj_input(eager_model
     g = torch.Generator().manual_seed(0)
     v = torch.randn(H, dh, generator=g)
     d = torch.randn(H, dh, generator=g)
-    u = torch.cat([d[h] for h in heads])
-    u = u / u.norm()
-
-    def ablate_ref(x):  # x: [batch, pos, W]; the direction spans the selected heads together
-        view = x.view(*x.shape[:-1], H, dh)
-        sub = torch.cat([view[..., h, :] for h in heads], dim=-1)
-        sub = sub - (sub @ u).unsqueeze(-1) * u
-        out = view.clone()
-        for i, h in enumerate(heads):
-            out[..., h, :] = sub[..., i * dh:(i + 1) * dh]
-        return out.reshape(x.shape)
+    ablate_ref = ablate_on_heads(d, H, heads)
 
     cases = [
         (SteerSpec.zero(f"z.{L}", heads=heads), on_heads(lambda s, h: torch.zeros_like(s), H, heads)),

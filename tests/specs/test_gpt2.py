@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import torch
 
-from interp_engine import Address, SteerSpec, head_contributions, run_with_cache, steer
-from tests._reference import PROMPT, add_at_output
+from interp_engine import Address, head_contributions, run_with_cache
+from tests._reference import PROMPT, assert_resid_mid_add_is_a_hand_add
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -39,16 +39,4 @@ def test_resid_pre_0_holds_the_learned_positions(eager_models):
 def test_resid_mid_steering_equals_a_hand_written_hook(eager_models):
     """Adding v at resid_mid.1 == adding it to attention's output by hand (the block sums them)."""
     model = eager_models["gpt2"]
-    ids = model.to_tokens(PROMPT)
-    v = torch.randn(model.d_model, generator=torch.Generator().manual_seed(0))
-    with steer(model, SteerSpec.add("resid_mid.1", v, scale=2.0)):
-        logits, _ = run_with_cache(model, ids, [], return_logits=True)
-    handle = add_at_output(model.hf.transformer.h[1].attn, lambda out: 2.0 * v, index=0)
-    try:
-        with torch.no_grad():
-            want = model.hf(ids).logits
-    finally:
-        handle.remove()
-    torch.testing.assert_close(logits, want, **TOL)
-    plain, _ = run_with_cache(model, ids, [], return_logits=True)
-    assert not torch.allclose(plain, want, atol=1e-3)
+    assert_resid_mid_add_is_a_hand_add(model, model.hf.transformer.h[1].attn, index=0)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from interp_engine import SteerSpec, run_with_cache, steer
+from interp_engine import run_with_cache
 from specs import SPECS
-from tests._reference import PROMPT, add_at_output
+from tests._reference import PROMPT, assert_resid_mid_add_is_a_hand_add
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -36,19 +36,7 @@ def test_sublayers_read_the_raw_residual_and_add_a_normed_output(eager_models):
 def test_resid_mid_steering_reaches_the_mlp_and_the_residual(eager_models):
     """Adding v at resid_mid.1 == adding it to post_attention_layernorm's output by hand."""
     model = eager_models["olmo2"]
-    ids = model.to_tokens(PROMPT)
-    v = torch.randn(model.d_model, generator=torch.Generator().manual_seed(2))
-    with steer(model, SteerSpec.add("resid_mid.1", v, scale=2.0)):
-        logits, _ = run_with_cache(model, ids, [], return_logits=True)
-    handle = add_at_output(model.hf.model.layers[1].post_attention_layernorm, lambda out: 2.0 * v)
-    try:
-        with torch.no_grad():
-            want = model.hf(ids).logits
-    finally:
-        handle.remove()
-    torch.testing.assert_close(logits, want, **TOL)
-    plain, _ = run_with_cache(model, ids, [], return_logits=True)
-    assert not torch.allclose(plain, want, atol=1e-3)
+    assert_resid_mid_add_is_a_hand_add(model, model.hf.model.layers[1].post_attention_layernorm, seed=2)
 
 
 def test_the_transformers_backend_is_the_default_door():

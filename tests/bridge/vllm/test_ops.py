@@ -14,7 +14,8 @@ from interp_engine import (CapabilityUnsupported, Plan, SteerSpec, generate_stre
                            steered)
 from interp_engine.testing import assert_close_scaled
 from tests._reference import PROMPT, decoder_layers
-from tests.bridge.test_eager_ops import _pair, down_proj, on_columns, on_heads, out_proj
+from tests.bridge.test_eager_ops import (_pair, ablate_on_heads, down_proj, hook_edits, on_columns, on_heads,
+                                         out_proj)
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                   reason="vllm not installed")]
@@ -26,15 +27,7 @@ NAMES = ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
 def hf_last_resid(model, ids, edits=()) -> torch.Tensor:
     """The last decoder layer's output (resid_post) of the HF model with ``edits`` hooked."""
     layers = decoder_layers(model.hf)
-    got, handles = [], []
-    for module, how, fn in edits:
-        if how == "in":
-            handles.append(module.register_forward_pre_hook(
-                lambda mod, args, fn=fn: (fn(args[0]),) + tuple(args[1:])))
-        else:
-            def post(mod, args, out, fn=fn):
-                return (fn(out[0]),) + tuple(out[1:]) if isinstance(out, tuple) else fn(out)
-            handles.append(module.register_forward_hook(post))
+    got, handles = [], hook_edits(edits)
     handles.append(layers[-1].register_forward_hook(
         lambda mod, args, out: got.append((out[0] if isinstance(out, tuple) else out).detach().clone())))
     try:
@@ -63,17 +56,7 @@ def test_head_ops_on_z_equal_the_hf_reference(pair):
     heads = [0, H - 1]
     g = torch.Generator().manual_seed(5)
     v, d = torch.randn(H, dh, generator=g), torch.randn(H, dh, generator=g)
-    u = torch.cat([d[h] for h in heads])
-    u = u / u.norm()
-
-    def ablate_ref(x):
-        view = x.view(*x.shape[:-1], H, dh)
-        sub = torch.cat([view[..., h, :] for h in heads], dim=-1)
-        sub = sub - (sub @ u).unsqueeze(-1) * u
-        out = view.clone()
-        for i, h in enumerate(heads):
-            out[..., h, :] = sub[..., i * dh:(i + 1) * dh]
-        return out.reshape(x.shape)
+    ablate_ref = ablate_on_heads(d, H, heads)
 
     cases = [
         (SteerSpec.zero(f"z.{L}", heads=heads), on_heads(lambda s, h: s * 0, H, heads)),
