@@ -44,7 +44,7 @@ def _wrap(cls) -> None:
         result = original(self, *args, **kwargs)
         if not wanted(self):
             return result
-        from .worker import install_runtime
+        from .install import install_runtime
 
         try:
             install_runtime(self)

@@ -1,18 +1,15 @@
 """What vLLM mixes into each worker (``worker_extension_cls``): a few methods a client reaches
 through ``collective_rpc``. Everything crosses as plain data (wire tensors), so the same calls
 work in process, across processes, and on Ray workers on other machines.
-
-Also ``install_runtime``, which the ``vllm.general_plugins`` entry point uses to load the
-runtime in workers of engines this library did not start (``vllm serve``).
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
+from .install import install_runtime, runtime_of, tp_rank_and_size
 from .plugin import register
 from .wire import tensor_from_wire, tensor_to_wire
 
@@ -20,45 +17,7 @@ from .wire import tensor_from_wire, tensor_to_wire
 # runtime is installed as soon as the model is loaded (before any profiling or compilation).
 register()
 
-__all__ = ["InterpWorkerExtension", "install_runtime", "runtime_of"]
-
-log = logging.getLogger("interp_engine.vllm")
-_ATTR = "_interp_engine_runtime"
-
-
-def _tp() -> tuple[int, int]:
-    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-    return get_tensor_model_parallel_rank(), get_tensor_model_parallel_world_size()
-
-
-def install_runtime(runner: Any):
-    """The runtime of this model runner, installed on first call (idempotent)."""
-    runtime = getattr(runner, _ATTR, None)
-    if runtime is not None:
-        return runtime
-    from specs import spec_for_config
-
-    from .runtime import Runtime
-
-    spec = spec_for_config(runner.model_config.hf_config)
-    rank, world = _tp()
-    runtime = Runtime(runner, spec, store_captures=rank == 0)
-    # points a tensor-parallel rank holds only a slice of are stored on every rank
-    runtime.rank_shards = {name for name, tap in spec.vllm.items() if tap.sharded} if world > 1 else set()
-    from .static_worker import install_static
-
-    install_static(runtime, runner)  # vllm-static: taps into the graph before it compiles
-    setattr(runner, _ATTR, runtime)
-    return runtime
-
-
-def runtime_of(runner: Any):
-    runtime = getattr(runner, _ATTR, None)
-    if runtime is None:
-        raise RuntimeError("the interp_engine runtime is not installed in this worker: call "
-                           "collective_rpc('interp_install') first (load_model does)")
-    return runtime
+__all__ = ["InterpWorkerExtension", "install_runtime", "runtime_of"]  # the latter two re-exported
 
 
 class InterpWorkerExtension:
@@ -69,12 +28,12 @@ class InterpWorkerExtension:
 
     def interp_install(self) -> dict:
         install_runtime(self.model_runner)
-        rank, world = _tp()
+        rank, world = tp_rank_and_size()
         return {"rank": rank, "world": world}
 
     def interp_collect(self, rid: str, n_positions: int | None, release: bool = True) -> dict:
         out = self._interp_runtime().collect(rid, n_positions, release)
-        out["rank"] = _tp()[0]
+        out["rank"] = tp_rank_and_size()[0]
         return out
 
     def interp_release(self, rid: str) -> None:
@@ -114,7 +73,7 @@ class InterpWorkerExtension:
         weight is read as a matrix (CPU kernels repack them; tensor parallelism shards them)."""
         runtime = self._interp_runtime()
         root = self._interp_root()
-        rank, world = _tp()
+        rank, world = tp_rank_and_size()
         o_proj = root.get_submodule(runtime.spec.vllm["z"].module_path(layer))
         full = tensor_from_wire(z)  # [b, p, n_heads, d_head]
         b, p, h, d = full.shape
@@ -142,4 +101,4 @@ class InterpWorkerExtension:
         runtime = self._interp_runtime()
         with torch.inference_mode():
             out = root.embed_input_ids(torch.tensor(ids, dtype=torch.long, device=runtime.device))
-        return tensor_to_wire(out) if _tp()[0] == 0 else None
+        return tensor_to_wire(out) if tp_rank_and_size()[0] == 0 else None
