@@ -123,21 +123,14 @@ class Cache:
             raise ValueError(f"{what}: layer must be an int in [0, {n}] (or None for {n}), got {layer!r}")
         return layer
 
-    def _stack(self, names: list[str], what: str, return_labels: bool):
-        missing = [n for n in names if n not in self]
-        if missing:
-            raise KeyError(f"{what} needs {', '.join(missing)}, which this cache does not hold: capture "
-                           f"them, for example run_with_cache(model, tokens, {sorted(set(missing))!r})")
-        stacked = torch.stack([self[n] for n in names])
-        return (stacked, names) if return_labels else stacked
-
-    def accumulated_resid(self, layer: int | None = None, incl_mid: bool = False,
+    def accumulated_resid(self, layer: int | None = None, incl_mid: bool = False, apply_ln: bool = False,
                           return_labels: bool = False):
         """The residual stream as it stands before each layer below ``layer`` (TransformerLens
         semantics): ``resid_pre.0 .. resid_pre.{layer-1}`` (with ``resid_mid`` after each when
         ``incl_mid``), and when ``layer`` is the number of layers (the default) the last
         ``resid_post`` too (before the final norm). Returns ``[component, batch, pos, d_model]``
-        (and the labels with ``return_labels``)."""
+        (and the labels with ``return_labels``). ``apply_ln=True`` normalises each entry as
+        the norm reading the stream at ``layer`` would (see ``apply_ln_to_stack``)."""
         n = self._n_layers(layer, "accumulated_resid")
         names: list[str] = []
         for i in range(n):
@@ -146,17 +139,70 @@ class Cache:
                 names.append(f"resid_mid.{i}")
         if n == self.graph.n_layers:
             names.append(f"resid_post.{n - 1}")
-        return self._stack(names, "accumulated_resid", return_labels)
+        return self._stack(names, "accumulated_resid", return_labels, n if apply_ln else None)
 
-    def decompose_resid(self, layer: int | None = None, return_labels: bool = False):
+    def decompose_resid(self, layer: int | None = None, apply_ln: bool = False, return_labels: bool = False):
         """The residual stream before ``layer`` split into what wrote it (TransformerLens
         semantics): the embedding (``resid_pre.0``), then ``attn_out`` and ``mlp_out`` of every
         layer below ``layer``; on sequential-residual models they sum to ``resid_pre.{layer}``
         (the last ``resid_post`` for the default, all layers). Returns ``[component, batch,
-        pos, d_model]`` (and the labels with ``return_labels``)."""
+        pos, d_model]`` (and the labels with ``return_labels``). ``apply_ln=True`` normalises
+        each component as the norm reading the stream at ``layer`` would (see
+        ``apply_ln_to_stack``): the components then sum to that norm's output less its weight
+        and bias."""
         n = self._n_layers(layer, "decompose_resid")
         names = ["resid_pre.0"] + [f"{kind}.{i}" for i in range(n) for kind in ("attn_out", "mlp_out")]
-        return self._stack(names, "decompose_resid", return_labels)
+        return self._stack(names, "decompose_resid", return_labels, n if apply_ln else None)
+
+    def apply_ln_to_stack(self, stack: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+        """``stack`` ``[component, batch, pos, d_model]`` (pieces of the residual stream) as the
+        norm that reads the stream at ``layer`` sees each piece (TransformerLens'
+        ``apply_ln_to_stack``): centred on LayerNorm models, then divided by that norm's scale,
+        ``sqrt(var + eps)`` (LayerNorm) or ``sqrt(mean(x^2) + eps)`` (RMSNorm), computed over
+        the whole residual stream it reads. The norm's weight and bias are not applied
+        (TransformerLens folds them into the next matrix), so ``weight * sum(pieces) + bias`` is
+        the norm's output on their sum.
+
+        ``layer`` = the number of layers (the default): the final norm, on the last
+        ``resid_post``; a lower ``layer``: that block's input norm, on ``resid_pre.{layer}``.
+        TransformerLens reads the scale its ln hooks cached; this cache holds the residual
+        stream itself, so the scale is recomputed from it, exactly as the norm computes it (in
+        float32 for half-precision streams), with the kind and epsilon of ``graph.final_norm``
+        (every block's input norm shares them on the architectures in the registry)."""
+        n = self._n_layers(layer, "apply_ln_to_stack")
+        norm = self.graph.final_norm
+        basis = self.graph.residual_basis
+        if norm is None or basis.n_streams != 1 or not basis.lens_valid:
+            from ._capabilities import CapabilityUnsupported
+
+            raise CapabilityUnsupported("logit_lens", "any", detail=f"apply_ln on {self.graph.arch}: "
+                                        f"{basis.describe()}" + ("" if norm else "; the final norm is unknown"))
+        source = f"resid_post.{n - 1}" if n == self.graph.n_layers else f"resid_pre.{n}"
+        if source not in self:
+            raise KeyError(f"apply_ln at layer {n} divides by the norm's scale over {source}, which this cache "
+                           f"does not hold: capture it too, e.g. run_with_cache(model, tokens, [..., '{source}'])")
+        resid = self[source]
+        work = torch.float32 if resid.dtype in (torch.float16, torch.bfloat16) else resid.dtype
+        resid = resid.to(work)
+        if norm.kind == "layer":
+            variance = resid.var(-1, keepdim=True, unbiased=False)
+        else:
+            variance = resid.pow(2).mean(-1, keepdim=True)
+        scale = (variance + norm.eps).sqrt()
+        pieces = stack.to(work)
+        if norm.kind == "layer":
+            pieces = pieces - pieces.mean(-1, keepdim=True)
+        return (pieces / scale).to(stack.dtype)
+
+    def _stack(self, names: list[str], what: str, return_labels: bool, ln_layer: int | None = None):
+        missing = [n for n in names if n not in self]
+        if missing:
+            raise KeyError(f"{what} needs {', '.join(missing)}, which this cache does not hold: capture "
+                           f"them, for example run_with_cache(model, tokens, {sorted(set(missing))!r})")
+        stacked = torch.stack([self[n] for n in names])
+        if ln_layer is not None:
+            stacked = self.apply_ln_to_stack(stacked, ln_layer)
+        return (stacked, names) if return_labels else stacked
 
     def __reduce__(self):
         # the mapping proxy cannot be pickled; rebuild (and re-check) from a plain dict

@@ -19,7 +19,8 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_model_arguments(parser)
     parser.add_argument("--points", nargs="+", required=True, metavar="POINT",
-                        help="addresses to harvest, e.g. resid_post.1 mlp_out.2 (each becomes a column)")
+                        help="addresses or patterns to harvest, e.g. resid_post.1 mlp_out.2 or 'resid_post.*' (quoted: "
+                             "each address a pattern names becomes a column)")
     parser.add_argument("--prompts", required=True, metavar="FILE",
                         help="a text file (one prompt per line) or .jsonl file (a \"text\" field per line)")
     parser.add_argument("--out", required=True, metavar="DIR", help="the dataset directory (new, or one to resume)")
@@ -48,7 +49,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         model.close()
     resumed = f", {report.rows_resumed} resumed" if report.rows_resumed else ""
-    print(f"{report.out}: {report.rows} rows x {args.context_size} positions of {', '.join(points)} "
+    harvested = report.points
+    print(f"{report.out}: {report.rows} rows x {args.context_size} positions of {', '.join(harvested)} "
           f"in {report.shards} shards ({report.rows_this_run} this run{resumed}, "
           f"{report.tokens_per_second:.0f} tokens/s); {report.tokens_left_out} tokens after the last "
           "full window left out")

@@ -13,7 +13,7 @@ from ._address import Address, AddressLike, to_address
 from ._capabilities import CapabilityUnsupported
 from ._points import POINTS, PointSpec
 
-__all__ = ["GradSupport", "ModelGraph", "ResidualBasis"]
+__all__ = ["FinalNorm", "GradSupport", "ModelGraph", "ResidualBasis"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,21 @@ class ResidualBasis:
                     "resid_* name the [n_streams, d_model] stack, which no sublayer reads directly")
         text += f"; additive={self.additive}; logit lens {'valid' if self.lens_valid else 'not valid'}"
         return text + (f"; {self.note}" if self.note else "")
+
+
+@dataclass(frozen=True)
+class FinalNorm:
+    """What the final norm divides by, read from the config (not its weights): ``kind``
+    ``"layer"`` (LayerNorm: centre, then divide by ``sqrt(var + eps)``) or ``"rms"`` (RMSNorm,
+    Gemma's included: divide by ``sqrt(mean(x^2) + eps)``). Every block's input norm has the
+    same kind and epsilon on the architectures in the registry."""
+
+    kind: str
+    eps: float
+
+    def __post_init__(self) -> None:
+        if self.kind not in ("layer", "rms"):
+            raise ValueError(f"FinalNorm.kind is 'layer' or 'rms', got {self.kind!r}")
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,7 @@ class ModelGraph:
     moe_layers: tuple[int, ...]
     residual_basis: ResidualBasis
     final_logit_softcap: float | None = None
+    final_norm: FinalNorm | None = None  # None: unknown, so Cache(apply_ln=True) is refused
     point_table: tuple[PointSpec, ...] = field(default=(), repr=False)
 
     # ---- points -----------------------------------------------------------------

@@ -35,7 +35,7 @@ from typing import Callable, Iterator, Sequence
 import numpy as np
 import torch
 
-from ._address import AddressLike
+from ._address import AddressLike, expand_points
 from ._capabilities import CapabilityUnsupported
 from ._harvest_store import Harvested, ManifestMismatch, Store, load
 from ._model import Model
@@ -56,6 +56,7 @@ class HarvestReport:
     shards: int
     tokens_left_out: int
     seconds: float
+    points: tuple[str, ...] = ()  # the addresses harvested (patterns expanded), one column each
 
     @property
     def tokens_per_second(self) -> float:
@@ -210,6 +211,9 @@ def harvest(model: Model, prompts: Sequence[str] | str | os.PathLike,
     """Capture ``points`` over every window of ``prompts`` and write them to ``out`` as a
     dataset SAELens reads as cached activations; returns a HarvestReport.
 
+    ``points``: addresses, or patterns as ``run_with_cache`` takes them (``"resid_post.*"``,
+    ``"*.3"``), expanded against the model; the manifest records the expanded addresses, so a
+    resume with the pattern or with the addresses it names is the same run.
     ``prompts``: a list of strings, or a text file (one prompt per line) or ``.jsonl`` file
     (a ``"text"`` field per line). Rows are ``context_size``-token windows of the concatenated
     token stream (see the module doc); ``max_tokens > 0`` also captures generated positions
@@ -242,8 +246,8 @@ def harvest(model: Model, prompts: Sequence[str] | str | os.PathLike,
         raise ValueError(f"a window of {window_len} prompt tokens plus {gen} generated needs "
                          f"{window_len + gen} positions, this model's context holds {room} "
                          f"(max_model_len): use context_size <= {room - 1}")
-    plan = capture_plan(model.graph, points)
-    reads = plan.reads
+    plan = capture_plan(model.graph, expand_points(model.graph, points))
+    reads = plan.reads  # patterns expanded: the manifest and the columns name every address
     for address in reads:
         dims = model.graph.point(address.name).dims
         if dims[:2] != ("batch", "pos"):
@@ -313,7 +317,7 @@ def _report(store: Store, started: float, resumed: int, written: int) -> Harvest
     ctx = int(manifest["args"]["context_size"])
     return HarvestReport(store.dir, manifest["rows"], manifest["rows"] * ctx, written, resumed,
                          len(manifest["shards"]), int(manifest.get("tokens_left_out", 0)),
-                         time.perf_counter() - started)
+                         time.perf_counter() - started, tuple(manifest["args"]["points"]))
 
 
 harvest.load = load  # type: ignore[attr-defined]

@@ -110,4 +110,4 @@ def _merge(out: Path, replicas: int, left_out: int, reports: list[dict]) -> Harv
     rows = sum(m["rows"] for m in manifests)
     return HarvestReport(out, rows, rows * int(args["context_size"]), sum(r["rows_this_run"] for r in reports),
                          rows - sum(r["rows_this_run"] for r in reports), len(store.shards), left_out,
-                         max(r["seconds"] for r in reports))
+                         max(r["seconds"] for r in reports), tuple(args["points"]))

@@ -186,8 +186,12 @@ class Model:
     def to_string(self, ids) -> str:
         return self.tok.to_string(ids)
 
-    def to_str_tokens(self, tokens) -> list[str]:
-        """The text of each token of one prompt (a string is tokenized first)."""
+    def to_str_tokens(self, tokens) -> list[str] | list[list[str]]:
+        """The text of each token of one prompt (a string is tokenized first, with the BOS
+        token where the tokenizer adds one), as TransformerLens's ``to_str_tokens``; a list of
+        strings gives one such list per string."""
+        if isinstance(tokens, (list, tuple)) and tokens and all(isinstance(t, str) for t in tokens):
+            return [self.to_str_tokens(t) for t in tokens]
         if isinstance(tokens, str):
             tokens = self.to_tokens(tokens)
         batch = self.batch(tokens)

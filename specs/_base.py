@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Callable, Mapping
 
-from interp_engine._graph import ModelGraph, ResidualBasis
+from interp_engine._graph import FinalNorm, ModelGraph, ResidualBasis
 from interp_engine._points import POINTS, PointSpec, Split
 
 __all__ = ["ArchSpec", "Split", "Tap", "TinyRecipe", "VllmTap", "build_graph", "transformers_backend_taps"]
@@ -98,6 +98,8 @@ class ArchSpec:
     # variant ("tiny", "bench", ...) -> recipe of a small random checkpoint for tests/benchmarks.
     tiny: Mapping[str, TinyRecipe] = field(default_factory=lambda: MappingProxyType({}))
     final_norm_path: str = "model.norm"
+    # The final norm's kind ("rms" or "layer" for LayerNorm); its epsilon is read from the config.
+    final_norm_kind: str = "rms"
     unembed_path: str = "lm_head"
     # The HF ``*ForCausalLM``'s base-model attribute, under which the eager taps live
     # (``model`` for most, ``transformer`` for GPT-2, ``gpt_neox`` for GPT-NeoX).
@@ -163,6 +165,11 @@ def _get(config: object, *names: str, default=None):
     return default
 
 
+def _final_norm(spec: ArchSpec, config: object) -> FinalNorm | None:
+    eps = _get(config, "rms_norm_eps", "layer_norm_epsilon", "layer_norm_eps", "norm_eps")
+    return None if eps is None else FinalNorm(spec.final_norm_kind, float(eps))
+
+
 def build_graph(spec: ArchSpec, config: object, *, moe_layers: tuple[int, ...] = (),
                 n_experts: int = 0, top_k: int = 0, d_mlp: int | None = None,
                 basis: ResidualBasis | None = None,
@@ -185,6 +192,7 @@ def build_graph(spec: ArchSpec, config: object, *, moe_layers: tuple[int, ...] =
         moe_layers=moe_layers,
         residual_basis=basis or ResidualBasis(1, True, True),
         final_logit_softcap=_get(config, "final_logit_softcapping"),
+        final_norm=_final_norm(spec, config),
     )
     return graph.with_points(spec.point_table(graph_dims))
 

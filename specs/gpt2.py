@@ -50,6 +50,7 @@ SPEC = ArchSpec(
         "mlp_act": Tap(H + ".mlp.c_proj", "in"),
     },
     final_norm_path="transformer.ln_f",
+    final_norm_kind="layer",
     hf_base="transformer",
     vllm={
         "resid_pre": VllmTap("module_in", H),

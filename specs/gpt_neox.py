@@ -60,5 +60,6 @@ SPEC = ArchSpec(
     graph_from_config=_graph,
     eager=_EAGER,
     final_norm_path="gpt_neox.final_layer_norm",
+    final_norm_kind="layer",
     hf_base="gpt_neox",
 )

@@ -8,8 +8,9 @@ import pickle
 import pytest
 import torch
 
-from interp_engine import Address, Cache, run_with_cache
-from tests._reference import PROMPT
+from interp_engine import Address, Cache, CapabilityUnsupported, run_with_cache
+from interp_engine.testing import TINY_ARCHS
+from tests._reference import PROMPT, decoder_layers, final_norm
 
 
 def _cache(model):
@@ -89,3 +90,87 @@ def test_accumulated_and_decomposed_resid_match_the_hf_modules(eager_models):
         cache.decompose_resid()
     with pytest.raises(ValueError, match=r"layer must be an int in \[0, 2\]|layer must be an int"):
         cache.accumulated_resid(n + 1)
+
+
+# ---- apply_ln: the norm's scale, checked on the HF norm modules -------------------------------
+
+def _hf_affine(norm):
+    """The weight and bias a HF norm module applies after normalising, from the classes' own
+    forward: Gemma's RMSNorm multiplies by ``1 + weight``, the others by ``weight``; LayerNorm
+    adds its bias."""
+    weight = norm.weight.detach()
+    if type(norm).__name__.startswith("Gemma"):
+        weight = 1.0 + weight
+    bias = getattr(norm, "bias", None)
+    return weight, (torch.zeros_like(weight) if bias is None else bias.detach())
+
+
+def _hf_eps(norm) -> float:
+    return float(getattr(norm, "variance_epsilon", None) or norm.eps)
+
+
+def _hf_input_norm(model, layer):
+    block = decoder_layers(model.hf)[layer]
+    return block.ln_1 if hasattr(block, "ln_1") else block.input_layernorm
+
+
+@pytest.mark.parametrize("arch", TINY_ARCHS)
+def test_apply_ln_is_the_hf_final_norm_less_its_weight_and_bias(eager_models, arch):
+    """``weight * sum(components) + bias`` with apply_ln is the HF final norm module's output on
+    the last resid_post, for the decomposition and for the accumulated stream's last entry;
+    every entry is centred (LayerNorm) and divided by the one scale of the final residual
+    (TransformerLens), computed here with the module's own epsilon; the graph's norm facts are
+    the module's."""
+    model = eager_models[arch]
+    n = model.graph.n_layers
+    tokens = model.to_tokens(PROMPT)
+    cache = run_with_cache(model, tokens, ["resid_pre.*", "resid_post.*", "attn_out.*", "mlp_out.*"]
+                           if arch != "deepseek_v4" else ["attn_out.*", "mlp_out.*"])
+    if not model.residual_basis.lens_valid:
+        with pytest.raises(CapabilityUnsupported, match="logit_lens"):
+            cache.apply_ln_to_stack(torch.stack([cache["attn_out.0"]]))
+        return
+    norm = final_norm(model.hf)
+    assert model.graph.final_norm.kind == ("layer" if isinstance(norm, torch.nn.LayerNorm) else "rms")
+    assert model.graph.final_norm.eps == _hf_eps(norm)
+    weight, bias = _hf_affine(norm)
+    last = cache[f"resid_post.{n - 1}"]
+    with torch.no_grad():
+        want = norm(last)
+    acc, labels = cache.accumulated_resid(apply_ln=True, return_labels=True)
+    assert labels == [f"resid_pre.{i}" for i in range(n)] + [f"resid_post.{n - 1}"]
+    torch.testing.assert_close(weight * acc[-1] + bias, want, rtol=1e-5, atol=1e-5)
+    parts = cache.decompose_resid(apply_ln=True)
+    torch.testing.assert_close(weight * parts.sum(0) + bias, want, rtol=1e-4, atol=1e-4)
+    x = cache["resid_pre.1"]
+    if isinstance(norm, torch.nn.LayerNorm):
+        x = x - x.mean(-1, keepdim=True)
+        spread = last.var(-1, keepdim=True, unbiased=False)
+    else:
+        spread = last.pow(2).mean(-1, keepdim=True)
+    torch.testing.assert_close(acc[1], x / (spread + _hf_eps(norm)).sqrt(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(cache.accumulated_resid(), cache.accumulated_resid(apply_ln=False))
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gpt2", "gemma2"])
+def test_apply_ln_below_the_last_layer_is_that_blocks_input_norm(eager_models, arch):
+    """At ``layer`` < n_layers the scale is the one block ``layer``'s input norm computes on
+    resid_pre.{layer}: the decomposition's pieces sum, through the module's weight and bias, to
+    that module's output; without resid_pre.{layer} in the cache it is named."""
+    model = eager_models[arch]
+    tokens = model.to_tokens(PROMPT)
+    cache = run_with_cache(model, tokens, ["resid_pre.*", "attn_out.*", "mlp_out.*"])
+    norm = _hf_input_norm(model, 2)
+    weight, bias = _hf_affine(norm)
+    with torch.no_grad():
+        want = norm(cache["resid_pre.2"])
+    parts = cache.decompose_resid(layer=2, apply_ln=True)
+    assert parts.shape[0] == 5
+    torch.testing.assert_close(weight * parts.sum(0) + bias, want, rtol=1e-4, atol=1e-4)
+    acc = cache.accumulated_resid(layer=2, apply_ln=True)
+    assert acc.shape[0] == 2
+    partial = run_with_cache(model, tokens, ["resid_pre.0", "resid_pre.1"])
+    with pytest.raises(KeyError, match="resid_pre.2"):
+        partial.accumulated_resid(layer=2, apply_ln=True)
+    with pytest.raises(KeyError, match="resid_post.2"):
+        partial.apply_ln_to_stack(torch.stack([partial["resid_pre.0"]]))

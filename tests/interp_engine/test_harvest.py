@@ -111,6 +111,31 @@ def test_a_resume_with_other_arguments_is_refused_not_mixed_in(eager_models, tmp
     assert again.rows_this_run == 0 and again.rows == again.rows_resumed
 
 
+def test_point_patterns_expand_as_run_with_cache_does_and_the_manifest_names_each_address(eager_models,
+                                                                                           tmp_path):
+    """``"resid_post.*"`` harvests every layer's resid_post (HF values), one column per address;
+    the manifest holds the addresses, so the same run named either way resumes, and a pattern
+    naming other addresses (or none) is refused before anything is written."""
+    model = eager_models[ARCH]
+    every = [f"resid_post.{layer}" for layer in range(model.n_layers)] + ["z.1"]
+    report = harvest(model, PROMPTS[:8], ["resid_post.*", "z.1"], tmp_path / "h", context_size=8)
+    manifest = json.loads((tmp_path / "h" / "manifest.json").read_text())
+    assert manifest["args"]["points"] == every and list(report.points) == every
+    got = harvest.load(tmp_path / "h")
+    assert list(got.values) == every
+    ref = reference_points(model, got.token_ids)
+    for point in every:
+        name, layer = point.split(".")
+        torch.testing.assert_close(got[point], ref[(name, int(layer))], rtol=1e-5, atol=1e-5)
+    again = harvest(model, PROMPTS[:8], every, tmp_path / "h", context_size=8)
+    assert again.rows_this_run == 0 and again.rows == report.rows
+    with pytest.raises(ManifestMismatch, match="points"):
+        harvest(model, PROMPTS[:8], ["resid_post.*"], tmp_path / "h", context_size=8)
+    with pytest.raises(ValueError, match="'mlp_out.9\\*' matches no point"):
+        harvest(model, PROMPTS[:8], ["mlp_out.9*"], tmp_path / "new", context_size=8)
+    assert not (tmp_path / "new").exists()
+
+
 _KILLED_RUN = textwrap.dedent("""
     import os, signal, sys
     from interp_engine import load_model, harvest
@@ -198,6 +223,10 @@ def test_the_cli_harvests_and_names_mistakes_in_one_line(tiny_dirs, tmp_path, ca
                  str(prompts), "--out", str(out), "--context-size", "8"]) == 0
     assert "rows x 8 positions of resid_post.0, mlp_out.1" in capsys.readouterr().out
     assert set(harvest.load(out).values) == {"resid_post.0", "mlp_out.1"}
+    assert main(["harvest", "--model", "tiny:qwen3", "--points", "mlp_out.*", "--prompts",
+                 str(prompts), "--out", str(tmp_path / "p"), "--context-size", "8"]) == 0
+    assert "positions of mlp_out.0, mlp_out.1, mlp_out.2 in" in capsys.readouterr().out
+    assert set(harvest.load(tmp_path / "p").values) == {"mlp_out.0", "mlp_out.1", "mlp_out.2"}
     assert main(["harvest", "--model", "tiny:qwen3", "--points", "resid_post.1", "--prompts",
                  str(prompts), "--out", str(out), "--context-size", "8"]) == 2
     err = capsys.readouterr().err.strip()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pathlib
 
 import pytest
+import torch
 
 from interp_engine import POINTS, TL_HOOKS, Address, from_tl, parse_address
 from interp_engine._tl import TL_MODEL_HOOKS
@@ -53,3 +54,25 @@ def test_the_docs_table_lists_every_hook():
     text = DOC.read_text()
     for hook in list(TL_HOOKS) + list(TL_MODEL_HOOKS):
         assert f"`{hook}`" in text, hook
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "gemma2"])
+def test_to_str_tokens_is_each_tokens_text_as_transformerlens_gives_it(eager_models, tiny_dirs, arch):
+    """A string is tokenized as the tokenizer does (Gemma's BOS included) and each id decoded on
+    its own; ids as a list, a 1-D or a [1, pos] tensor give the same; a list of strings gives a
+    list per string (TransformerLens); a batch of several id rows is refused by name."""
+    from transformers import AutoTokenizer
+
+    model = eager_models[arch]
+    tok = AutoTokenizer.from_pretrained(tiny_dirs[arch])
+    text = "The capital of France is"
+    ids = tok(text)["input_ids"]
+    want = [tok.decode([i]) for i in ids]
+    assert model.to_str_tokens(text) == want
+    assert (want[0] == "<bos>") == (arch == "gemma2")
+    for form in (ids, torch.tensor(ids), torch.tensor([ids])):
+        assert model.to_str_tokens(form) == want
+    other = "Paris"
+    assert model.to_str_tokens([text, other]) == [want, [tok.decode([i]) for i in tok(other)["input_ids"]]]
+    with pytest.raises(ValueError, match="one prompt, got a batch of 2"):
+        model.to_str_tokens(torch.tensor([ids, ids]))
