@@ -49,6 +49,8 @@ _ids = itertools.count()
 
 # points vLLM holds only inside a fused projection: reads may be served, writes are refused
 _FUSED_WRITES = frozenset({"q", "k", "v", "mlp_pre"})
+# points recomputed from router_logits with the spec's routing rule (bridge/vllm/routing.py)
+_ROUTED = frozenset({"expert_weights", "expert_indices"})
 
 
 def check_engine_kwargs(kwargs: dict) -> None:
@@ -167,6 +169,7 @@ class VllmBackend:
         self._stop = False
         self._fingerprint: str | None = None
         self._in_process: bool | None = None
+        self._routing_mismatch: dict[int, str] = {}  # MoE layer -> why vLLM routes otherwise
 
     # ---- engine -----------------------------------------------------------------------
     def warmup(self) -> None:
@@ -219,6 +222,7 @@ class VllmBackend:
             self._close_engine = _closer(llm)
             infos = llm.collective_rpc("interp_install")
             self.world = len(infos)
+            self._routing_mismatch = {int(k): v for k, v in (infos[0].get("routing_mismatch") or {}).items()}
             self._llm = llm
         return self._llm
 
@@ -270,6 +274,10 @@ class VllmBackend:
                 point = POINTS[address.name]
                 return CapabilityUnsupported(point.capability or "vllm_architecture", self.name,
                                              detail=f"point {address}")
+            if address.name in _ROUTED:
+                found = self._routing_refusal(address)
+                if found is not None:
+                    return found
         for op in plan.writes:
             name = op.address.name
             if name not in self.spec.vllm and name not in self.spec.vllm_writes:
@@ -289,6 +297,17 @@ class VllmBackend:
                     f"{self.tensor_parallel_size}", why="each rank holds only its own heads of this point",
                     instead="load with tensor_parallel_size=1 to write heads, or steer a residual-width point")
         return None
+
+    def _routing_refusal(self, address: Address) -> CapabilityUnsupported | None:
+        """The selection is recomputed from router_logits with the spec's rule: refused where
+        vLLM's own router (read when the engine starts) routes otherwise."""
+        self._engine()
+        why = self._routing_mismatch.get(address.layer)
+        if why is None:
+            return None
+        return CapabilityUnsupported("expert_selection", self.name, detail=f"point {address}",
+                                     why=why + ", so a selection recomputed with the model's rule "
+                                     "would not be the one vLLM applied")
 
     # ---- requests -----------------------------------------------------------------------
     def _sampling_params(self, config: SamplingConfig, extra: dict | None):

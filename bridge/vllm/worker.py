@@ -39,11 +39,13 @@ def install_runtime(runner: Any):
         return runtime
     from specs import spec_for_config
 
+    from .routing import rule_of
     from .runtime import Runtime
 
     spec = spec_for_config(runner.model_config.hf_config)
     rank, world = _tp()
     runtime = Runtime(runner, spec, store_captures=rank == 0)
+    runtime.routing = rule_of(spec, runner.model_config.hf_config)
     # points a tensor-parallel rank holds only a slice of are stored on every rank
     runtime.rank_shards = {name for name, tap in spec.vllm.items() if tap.sharded} if world > 1 else set()
     from .static_worker import install_static
@@ -61,6 +63,16 @@ def runtime_of(runner: Any):
     return runtime
 
 
+def _routing_mismatch(runtime) -> dict[str, str]:
+    """MoE layers where vLLM's router does not follow the spec's rule, with why (see routing.py)."""
+    from .routing import mismatches
+
+    hf_config = runtime.runner.model_config.hf_config
+    layers = list(runtime.spec.graph_from_config(hf_config).moe_layers) if runtime.routing else []
+    return {str(layer): why for layer, why in mismatches(runtime.root, runtime.spec, runtime.routing,
+                                                          layers).items()}
+
+
 class InterpWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
@@ -68,9 +80,9 @@ class InterpWorkerExtension:
         return runtime_of(self.model_runner)
 
     def interp_install(self) -> dict:
-        install_runtime(self.model_runner)
+        runtime = install_runtime(self.model_runner)
         rank, world = _tp()
-        return {"rank": rank, "world": world}
+        return {"rank": rank, "world": world, "routing_mismatch": _routing_mismatch(runtime)}
 
     def interp_collect(self, rid: str, n_positions: int | None, release: bool = True) -> dict:
         out = self._interp_runtime().collect(rid, n_positions, release)
