@@ -92,8 +92,10 @@ CAPABILITIES = MappingProxyType(
                "vLLM has no CPU path for it",
                "use backend='eager'", _EAGER),
             _c("logits_in_stream",
-               "vLLM's sampler never ships the logits tensor out of the worker",
-               "ask for n_logprobs=k, which every backend honours", _EAGER),
+               "vLLM's sampler never ships the logits tensor out of the worker, and vLLM computes "
+               "logits only at each request's final position",
+               "return_logits='last' (the final position's logits, served on vLLM by its own head "
+               "in the worker), or ask for n_logprobs=k, which every backend honours", _EAGER),
             _c("free_decode_residuals",
                "the free decode_residuals reads the weights directly, which live inside the "
                "vLLM worker",

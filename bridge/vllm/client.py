@@ -274,7 +274,7 @@ class VllmBackend:
                 point = POINTS[address.name]
                 return CapabilityUnsupported(point.capability or "vllm_architecture", self.name,
                                              detail=f"point {address}")
-            if address.name in _ROUTED:
+            if address.name in _ROUTED and POINTS[address.name].served_by(self.name):
                 found = self._routing_refusal(address)
                 if found is not None:
                     return found
@@ -542,17 +542,30 @@ class VllmBackend:
     def request_output(self, prompt_ids: list[int], steps: list, finish: str, n_logprobs: int | None):
         return full_output(prompt_ids, steps, finish, n_logprobs)
 
-    def run_with_cache(self, plan: Plan, batch: TokenBatch, detach: bool = True, want_logits: bool = False):
+    def run_with_cache(self, plan: Plan, batch: TokenBatch, detach: bool = True, want_logits: bool | str = False,
+                       stop_at_layer: int | None = None):
+        """``stop_at_layer``: vLLM always runs every layer; the captures (all before that layer,
+        checked by the core) are the same, only eager's saving is lost."""
         prompt = batch.row(0)
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"the input has {len(prompt)} positions and this model's context holds "
                              f"{self.max_model_len} (max_model_len): vLLM runs a prompt only with room "
                              f"for one token after it, so pass at most {self.max_model_len - 1} positions")
+        final = Address("resid_post", self.graph.n_layers - 1)
+        if want_logits == "last":  # the final position's logits: vLLM's own head on its last residual
+            if self.name != "vllm" and final not in self.static_points:
+                raise CapabilityUnsupported("logits_in_stream", self.name, detail=f"return_logits='last' needs "
+                                            f"{final}", instead=f"declare {final} in static_points, or use "
+                                            "backend='vllm'")
+            plan = plan | Plan(reads=(final,))
         capture = _Capture()
         config = SamplingConfig(max_tokens=1, temperature=0.0, stop_at_eos=False)
         for _ in self.generate(prompt, config, plan, capture):
             pass
-        return self.assemble(plan, capture), None
+        values = self.assemble(plan, capture)
+        if want_logits != "last":
+            return values, None
+        return values, self.decode(values[final][:, -1])
 
     # ---- where the weights are (inside the workers) ---------------------------------------
     def _rank0(self, results: list):
