@@ -107,13 +107,14 @@ def run_with_cache(model: Model, tokens: Tokens, points: Sequence[AddressLike] |
     """Run one forward and capture ``points``; returns a Cache with ``[batch, pos, ...]`` per
     point (only the requested points are kept). With ``return_logits=True`` (eager) returns
     ``(logits, cache)``, logits ``[batch, pos, d_vocab]``; with ``return_logits="last"`` (every
-    backend) ``(logits, cache)`` with each row's final position only, ``[batch, d_vocab]``. ``detach=False`` keeps the autograd graph (eager; see grad_support):
-    gradients reach every captured tensor, also on a model loaded with frozen parameters.
-    ``steer=spec`` applies a SteerSpec to this forward only (after any active ``steer`` blocks);
-    captures see the steered values. ``stop_at_layer=n`` (TransformerLens's argument) runs only
-    layers ``0..n-1`` (0: the embeddings alone): every point and write must be at a layer below
-    ``n`` (or be ``resid_pre.n``, the residual it ends with), and there are no logits; eager ends the forward there, vLLM runs every layer (the
-    captures are the same)."""
+    backend) ``(logits, cache)`` with each row's final position only, ``[batch, d_vocab]``.
+    ``detach=False`` keeps the autograd graph (eager; see grad_support): gradients reach every
+    captured tensor, also on a model loaded with frozen parameters. ``steer=spec`` applies a
+    SteerSpec to this forward only (after any active ``steer`` blocks); captures see the steered
+    values. ``stop_at_layer=n`` (TransformerLens's argument) runs only layers ``0..n-1`` (0: the
+    embeddings alone): every point and write must be at a layer below ``n`` (or be
+    ``resid_pre.n``, the residual it ends with), and there are no logits; eager ends the forward
+    there, vLLM runs every layer (the captures are the same)."""
     if not isinstance(detach, bool):
         raise TypeError(f"detach must be a bool, got {detach!r}")
     if not isinstance(return_logits, bool) and return_logits != "last":
@@ -139,11 +140,13 @@ def _check_stop(model: Model, plan: Plan, layer: object, return_logits: object) 
     if return_logits:
         raise ValueError(f"stop_at_layer={layer} ends the forward before the unembedding, so there are no "
                          "logits: drop return_logits, or decode a residual with model.decode_residuals")
+
     def beyond(a: Address) -> bool:  # resid_pre.n is the residual the stopped forward ends with
         return a.layer > layer or (a.layer == layer and a.name != "resid_pre")
     late = [a for a in plan.reads if beyond(a)] + [op.address for op in plan.writes if beyond(op.address)]
     if late:
-        raise ValueError(f"stop_at_layer={layer} runs layers 0..{layer - 1} only (and reads resid_pre.{layer}), but the plan touches "
+        raise ValueError(f"stop_at_layer={layer} runs layers 0..{layer - 1} only (and reads resid_pre.{layer}), "
+                         "but the plan touches "
                          f"{', '.join(map(str, late))}: pass stop_at_layer={max(a.layer for a in late) + 1} "
                          "or more, or leave those points out")
     return layer
