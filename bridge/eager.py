@@ -234,34 +234,60 @@ class EagerBackend:
         finally:
             handle.remove()
 
+    @contextlib.contextmanager
+    def _stop_at(self, layer: int | None):
+        """TransformerLens's stop_at_layer: the forward ends as it reaches layer ``layer`` (the
+        final norm when ``layer`` is n_layers), after every hook of the layers before it ran."""
+        if layer is None:
+            yield
+            return
+        path = (self.spec.eager["resid_pre"].module_path(layer) if layer < self.graph.n_layers
+                else self.spec.final_norm_path)
+
+        def stop(module, args):
+            raise _Stopped
+        handle = self.module(path).register_forward_pre_hook(stop)
+        try:
+            yield
+        finally:
+            handle.remove()
+
     def forward(self, plan: Plan, window: ForwardWindow, captures: _Captures | None, detach: bool,
-                **inputs):
+                stop_at_layer: int | None = None, **inputs):
         with self._lock:
             hooks = self._lower(plan, window, captures)
-            with hooks.active(), self._kernel_for(plan), self._grad_mode(detach):
-                out = self.hf(**inputs)
+            with hooks.active(), self._kernel_for(plan), self._grad_mode(detach), self._stop_at(stop_at_layer):
+                try:
+                    out = self.hf(**inputs)
+                except _Stopped:
+                    out = None
             if captures is not None:
                 captures.windows.append(window)
             return out
 
     def run_with_cache(self, plan: Plan, batch: TokenBatch, detach: bool = True,
-                       want_logits: bool = False):
+                       want_logits: bool | str = False, stop_at_layer: int | None = None):
         ids = batch.ids.to(self.device)
         inputs = {"input_ids": ids, "use_cache": False}
         if batch.padded:
             inputs["attention_mask"] = batch.attention_mask.to(self.device)
-        if not want_logits:
+        if not want_logits or (want_logits == "last" and not batch.padded):
             inputs["logits_to_keep"] = 1
         captures = _Captures(batch=len(batch))
         window = ForwardWindow(0, ids.shape[1], None)
-        out = self.forward(plan, window, captures, detach, **inputs)
+        out = self.forward(plan, window, captures, detach, stop_at_layer, **inputs)
         values = self.assemble(plan, captures)
-        logits = out.logits if want_logits else None
-        if batch.padded:
-            mask = batch.attention_mask.to(self.device).bool()
+        logits = out.logits if want_logits and out is not None else None
+        mask = batch.attention_mask.to(self.device).bool() if batch.padded else None
+        if mask is not None:
             values = {a: _zero_pads(a, t, mask) for a, t in values.items()}
-            if logits is not None:
-                logits = logits.masked_fill(~mask[..., None], 0.0)
+        if want_logits == "last":  # each row's final real position: [batch, d_vocab]
+            if mask is None:
+                return values, logits[:, -1]
+            last = (mask.long() * torch.arange(mask.shape[1], device=self.device)).argmax(-1)
+            return values, logits[torch.arange(len(batch), device=self.device), last]
+        if logits is not None and mask is not None:
+            logits = logits.masked_fill(~mask[..., None], 0.0)
         return values, logits
 
     def assemble(self, plan: Plan, captures: _Captures) -> dict[Address, torch.Tensor]:
@@ -399,6 +425,10 @@ def _batched_patch(op: SteerOp, got: str) -> ValueError:
     return ValueError(f"the patch at {op.address} comes from a cache of {rows} prompts, so it patches "
                       f"a run of {rows} prompts row by row; this is {got}: patch from a one-prompt "
                       "cache, or run as many prompts with run_with_cache")
+
+
+class _Stopped(Exception):
+    """Ends an eager forward at stop_at_layer (raised by a pre-hook, caught in forward)."""
 
 
 def _zero_pads(address: Address, t: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

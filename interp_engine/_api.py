@@ -102,41 +102,68 @@ def _plan(model: Model, points: Sequence[AddressLike] | AddressLike | None,
 
 @entry
 def run_with_cache(model: Model, tokens: Tokens, points: Sequence[AddressLike] | AddressLike,
-                   detach: bool = True, *, return_logits: bool = False, steer: SteerSpec | None = None):
+                   detach: bool = True, *, return_logits: bool | str = False, steer: SteerSpec | None = None,
+                   stop_at_layer: int | None = None):
     """Run one forward and capture ``points``; returns a Cache with ``[batch, pos, ...]`` per
     point (only the requested points are kept). With ``return_logits=True`` (eager) returns
-    ``(logits, cache)``. ``detach=False`` keeps the autograd graph (eager; see grad_support):
-    gradients reach every captured tensor, also on a model loaded with frozen parameters.
-    ``steer=spec`` applies a SteerSpec to this forward only (after any active ``steer`` blocks);
-    captures see the steered values."""
+    ``(logits, cache)``, logits ``[batch, pos, d_vocab]``; with ``return_logits="last"`` (every
+    backend) ``(logits, cache)`` with each row's final position only, ``[batch, d_vocab]``.
+    ``detach=False`` keeps the autograd graph (eager; see grad_support): gradients reach every
+    captured tensor, also on a model loaded with frozen parameters. ``steer=spec`` applies a
+    SteerSpec to this forward only (after any active ``steer`` blocks); captures see the steered
+    values. ``stop_at_layer=n`` (TransformerLens's argument) runs only layers ``0..n-1`` (0: the
+    embeddings alone): every point and write must be at a layer below ``n`` (or be
+    ``resid_pre.n``, the residual it ends with), and there are no logits; eager ends the forward
+    there, vLLM runs every layer (the captures are the same)."""
     if not isinstance(detach, bool):
         raise TypeError(f"detach must be a bool, got {detach!r}")
-    if not isinstance(return_logits, bool):
-        raise TypeError(f"return_logits must be a bool, got {return_logits!r}")
+    if not isinstance(return_logits, bool) and return_logits != "last":
+        raise TypeError(f"return_logits must be a bool or 'last' (the final position), got {return_logits!r}")
     batch = model.batch(tokens)
     plan = _plan(model, points, steer)
     if not detach and not model.grad_support.through_forward:
         raise CapabilityUnsupported("gradients", model.backend_name)
     _refuse(model, plan, batch, gradients=not detach)
-    if return_logits and model.backend_name != "eager":
-        raise CapabilityUnsupported("logits_in_stream", model.backend_name)
+    if return_logits is True and model.backend_name != "eager":
+        raise CapabilityUnsupported("logits_in_stream", model.backend_name, detail="logits at every position")
     _check_context(model, batch.shape[1])
-    values, logits = model.backend.run_with_cache(plan, batch, detach, want_logits=return_logits)
+    if stop_at_layer is not None:
+        stop_at_layer = _check_stop(model, plan, stop_at_layer, return_logits)
+    values, logits = model.backend.run_with_cache(plan, batch, detach, want_logits=return_logits,
+                                                  stop_at_layer=stop_at_layer)
     cache = Cache({a: values[a] for a in plan.reads}, batch.attention_mask, model.graph)
     return (logits, cache) if return_logits else cache
 
 
-def run(model: Model, tokens: Tokens, plan: Plan, detach: bool = True, *, return_logits: bool = False):
+def _check_stop(model: Model, plan: Plan, layer: object, return_logits: object) -> int:
+    layer = _int_in("stop_at_layer", layer, 0, model.n_layers, " (the layer the forward stops before)")
+    if return_logits:
+        raise ValueError(f"stop_at_layer={layer} ends the forward before the unembedding, so there are no "
+                         "logits: drop return_logits, or decode a residual with model.decode_residuals")
+
+    def beyond(a: Address) -> bool:  # resid_pre.n is the residual the stopped forward ends with
+        return a.layer > layer or (a.layer == layer and a.name != "resid_pre")
+    late = [a for a in plan.reads if beyond(a)] + [op.address for op in plan.writes if beyond(op.address)]
+    if late:
+        raise ValueError(f"stop_at_layer={layer} runs layers 0..{layer - 1} only (and reads resid_pre.{layer}), "
+                         "but the plan touches "
+                         f"{', '.join(map(str, late))}: pass stop_at_layer={max(a.layer for a in late) + 1} "
+                         "or more, or leave those points out")
+    return layer
+
+
+def run(model: Model, tokens: Tokens, plan: Plan, detach: bool = True, *, return_logits: bool | str = False,
+        stop_at_layer: int | None = None):
     """Run a composed Plan in one forward: its writes applied (after any active ``steer``
     blocks), its reads captured (seeing the writes). Returns the Cache (``(logits, cache)``
-    with ``return_logits=True``, eager). Plans compose with ``|``; a user transform is a
+    with ``return_logits=True``, eager, or ``"last"``, every backend). Plans compose with ``|``; a user transform is a
     function from Plan to Plan. The same as ``run_with_cache(model, tokens, plan.reads,
     steer=plan.steering)``."""
     if not isinstance(plan, Plan):
         raise TypeError(f"run takes a Plan, got {type(plan).__name__}: build one with "
                         "Plan(reads=[...], writes=SteerSpec...) or capture_plan(...) | steer_plan(...)")
     return run_with_cache(model, tokens, list(plan.reads), detach, return_logits=return_logits,
-                          steer=plan.steering)
+                          steer=plan.steering, stop_at_layer=stop_at_layer)
 
 
 def _check_context(model: Model, length: int) -> None:

@@ -56,8 +56,11 @@ class Backend(Protocol):
         """The refusal this plan meets on this engine, or None: before any forward."""
 
     # ---- running ------------------------------------------------------------------
-    def run_with_cache(self, plan: Plan, batch: TokenBatch, detach: bool,
-                       want_logits: bool) -> tuple[dict[Address, torch.Tensor], torch.Tensor | None]: ...
+    def run_with_cache(self, plan: Plan, batch: TokenBatch, detach: bool, want_logits: bool | str,
+                       stop_at_layer: int | None = None) -> tuple[dict[Address, torch.Tensor], torch.Tensor | None]:
+        """``want_logits``: False, True (every position, eager) or "last" (each row's final
+        position, [batch, d_vocab]). ``stop_at_layer``: the plan touches only earlier layers
+        (checked by the core); a backend may end the forward there."""
 
     def new_capture(self) -> Any:
         """Per-request capture state handed to generate/agenerate, then to assemble."""

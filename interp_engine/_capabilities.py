@@ -83,16 +83,19 @@ CAPABILITIES = MappingProxyType(
                "backend='eager' for mlp_pre", _EAGER),
             _c("expert_selection",
                "vLLM selects and weights experts inside its fused MoE kernel and never returns "
-               "the selection",
-               "capture 'router_logits' (served on vLLM) and apply top-k of its softmax, or use "
-               "backend='eager'", _EAGER),
+               "the selection; the vLLM backend recomputes it from router_logits only where the "
+               "architecture's spec declares its routing rule and vLLM's router follows that rule",
+               "capture 'router_logits' (served on vLLM) and call expert_assignment(..., top_k=k), "
+               "or use backend='eager'", _EAGER),
             _c("parallel_residual_streams",
                "only DeepSeek-V4's hyper-connection trunk carries parallel residual streams, and "
                "vLLM has no CPU path for it",
                "use backend='eager'", _EAGER),
             _c("logits_in_stream",
-               "vLLM's sampler never ships the logits tensor out of the worker",
-               "ask for n_logprobs=k, which every backend honours", _EAGER),
+               "vLLM's sampler never ships the logits tensor out of the worker, and vLLM computes "
+               "logits only at each request's final position",
+               "return_logits='last' (the final position's logits, served on vLLM by its own head "
+               "in the worker), or ask for n_logprobs=k, which every backend honours", _EAGER),
             _c("free_decode_residuals",
                "the free decode_residuals reads the weights directly, which live inside the "
                "vLLM worker",

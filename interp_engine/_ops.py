@@ -15,7 +15,7 @@ from typing import Callable, NamedTuple
 import torch
 
 __all__ = ["AFFINE", "OP_MATH", "Selection", "apply_write", "effective_vector", "reshape_point",
-           "select_rows", "selector_columns", "stored"]
+           "route", "select_rows", "selector_columns", "stored"]
 
 
 class Selection(NamedTuple):
@@ -165,6 +165,21 @@ def apply_write(kind: str, x: torch.Tensor, vec: torch.Tensor, sel: Selection,
     out = x.clone()
     out.index_copy_(-2, rows, new)
     return out
+
+
+def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """An MoE router's selection from its logits ``[..., n_experts]``: ``(weights, indices)``,
+    each ``[..., top_k]``, best expert first. The rule vLLM's fused MoE applies (its CPU router,
+    and the same math as its GPU kernel): the top-k logits, then the softmax over those k
+    (``renormalize``: equal to the renormalised top-k of the softmax over all experts, as
+    Qwen3-MoE, Mixtral and GPT-OSS apply it) or each one's share of the softmax over all experts.
+    Weights in float32, as the fused kernel uses them."""
+    values, indices = torch.topk(logits.float(), top_k, dim=-1)
+    if renormalize:
+        weights = torch.softmax(values, dim=-1)
+    else:
+        weights = (values - torch.logsumexp(logits.float(), dim=-1, keepdim=True)).exp()
+    return weights, indices
 
 
 def stored(t: torch.Tensor) -> torch.Tensor:

@@ -54,8 +54,16 @@ def reduced_pair(request):
     vllm.close()
 
 
+# The expert selection is discrete: in reduced precision the engines' router logits differ by
+# far more than the gap between two experts' logits at many positions, so a flipped pick is a
+# rounding effect, not a bug; it is compared exactly in float32 (tests/bridge/vllm/test_routing.py),
+# and its input, router_logits, is compared here within the tolerance.
+_SELECTION = ("expert_indices", "expert_weights")
+
+
 def _points(model):
     return [Address(p.name, layer) for p in model.points() if p.served_by("vllm") and p.name != "pattern"
+            and p.name not in _SELECTION
             for layer in model.graph.layers_of(p.name)]
 
 

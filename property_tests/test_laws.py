@@ -49,6 +49,26 @@ def _assert_same_greedy(a_steps, b_steps, atol=2e-5):
     assert len(a_steps) == len(b_steps)
 
 
+_SELECTION = ("expert_indices", "expert_weights")
+
+
+def _assert_same_point(actual, expected, point, model, ids):
+    """assert_close_scaled, except that the expert selection is discrete: where two of the
+    router's top k + 1 logits (on ``model`` over ``ids``) are closer than a rounding-level
+    margin, the engines (or a decode step and a full forward) may honestly pick or order
+    differently. Those positions alone are left out; everywhere else indices are equal exactly."""
+    if point.name not in _SELECTION:
+        assert_close_scaled(actual, expected, msg=str(point))
+        return
+    logits = run_with_cache(model, ids, [Address("router_logits", point.layer)])[Address("router_logits", point.layer)]
+    top = torch.topk(logits.float(), actual.shape[-1] + 1, dim=-1).values
+    clear = ((top[..., :-1] - top[..., 1:]).min(-1).values > 1e-4 * max(1.0, float(logits.abs().max())))
+    if point.name == "expert_indices":
+        assert torch.equal(actual[clear], expected[clear]), str(point)
+    else:
+        assert_close_scaled(actual[clear], expected[clear], msg=str(point))
+
+
 # ---- backends agree ----------------------------------------------------------------------
 
 @pytest.fixture(params=[pytest.param(a, marks=[needs_vllm, pytest.mark.vllm]) for a in VLLM_ARCHS])
@@ -64,7 +84,7 @@ def test_backends_agree_on_every_served_point(pair):
     def law(ids, points):
         ce, cv = run_with_cache(eager, ids, points), run_with_cache(vllm, ids, points)
         for p in points:
-            assert_close_scaled(cv[p], ce[p], msg=str(p))
+            _assert_same_point(cv[p], ce[p], p, eager, ids)
     law()
 
 
@@ -92,7 +112,7 @@ def test_capture_generation_rows_equal_across_backends(pair):
         ce_c, ce = capture_generation(eager, ids, [point], max_tokens=n, temperature=0.0)
         cv_c, cv = capture_generation(vllm, ids, [point], max_tokens=n, temperature=0.0)
         assume(ce_c.token_ids == cv_c.token_ids)  # a near-tie divergence is covered above
-        assert_close_scaled(cv[point], ce[point], msg=str(point))
+        _assert_same_point(cv[point], ce[point], point, eager, list(ids) + list(ce_c.token_ids[:-1]))
     law()
 
 
@@ -295,7 +315,7 @@ def test_capture_generation_rows_are_a_forward_over_prompt_and_generated(model_p
         fed = list(ids) + list(completion.token_ids[:-1])
         assert cache[point].shape[2 if point.name == "pattern" else 1] == len(fed)
         reference = run_with_cache(model, fed, [point])
-        assert_close_scaled(cache[point], reference[point], msg=str(point))
+        _assert_same_point(cache[point], reference[point], point, model, fed)
     law()
 
 

@@ -8,9 +8,9 @@ import importlib
 import pkgutil
 from types import MappingProxyType
 
-from ._base import ArchSpec, Split, Tap, TinyRecipe, VllmTap
+from ._base import ArchSpec, Routing, Split, Tap, TinyRecipe, VllmTap
 
-__all__ = ["ArchSpec", "SPECS", "Split", "Tap", "TinyRecipe", "VllmTap", "spec_for_config"]
+__all__ = ["ArchSpec", "Routing", "SPECS", "Split", "Tap", "TinyRecipe", "VllmTap", "spec_for_config"]
 
 
 def _discover() -> dict[str, ArchSpec]:

@@ -29,7 +29,7 @@ from typing import Callable, Mapping
 from interp_engine._graph import FinalNorm, ModelGraph, ResidualBasis
 from interp_engine._points import POINTS, PointSpec, Split
 
-__all__ = ["ArchSpec", "Split", "Tap", "TinyRecipe", "VllmTap", "build_graph", "transformers_backend_taps"]
+__all__ = ["ArchSpec", "Routing", "Split", "Tap", "TinyRecipe", "VllmTap", "build_graph", "transformers_backend_taps"]
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,9 @@ class VllmTap:
 
     ``source``: ``layer_in`` (resid_pre), ``layer_sum`` (h + r), ``layer_r``, ``layer_h``,
     ``module_out`` / ``module_in`` (output / first input of ``path``), ``fused_in_sum``
-    (``x + residual`` at a fused add+norm ``path`` called as ``norm(x, residual)``).
+    (``x + residual`` at a fused add+norm ``path`` called as ``norm(x, residual)``),
+    ``route_weights`` / ``route_indices`` (the selection recomputed from the router logits that
+    ``path`` outputs, with the spec's ``routing`` rule: vLLM never returns its own).
     Rows are flat tokens; ``post`` ``heads`` splits the last dim into heads.
     """
 
@@ -64,6 +66,24 @@ class VllmTap:
 
     def module_path(self, layer: int) -> str | None:
         return None if self.path is None else self.path.format(L=layer)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How an MoE architecture turns its router logits into the experts it runs: the top-k
+    logits, then the softmax over those k (``renormalize``) or each one's share of the softmax
+    over all experts, which is the rule vLLM's fused MoE applies (``interp_engine._ops.route``).
+    ``renormalize`` is a bool, or the name of the HF config flag that decides it
+    (``norm_topk_prob``). Declared only where the model's own router is exactly this rule (a
+    biased router included: the bias is inside the logits vLLM reports); the vLLM runtime then
+    serves expert_weights / expert_indices, and checks at start-up that vLLM's router agrees."""
+
+    renormalize: bool | str = True
+
+    def renormalizes(self, config: object) -> bool:
+        if isinstance(self.renormalize, bool):
+            return self.renormalize
+        return bool(getattr(config, self.renormalize))
 
 
 @dataclass(frozen=True)
@@ -113,6 +133,9 @@ class ArchSpec:
     # Where hidden_states sits in a call of vLLM's decoder layer: Llama-family layers are called
     # as (positions, hidden_states, residual), GPT-OSS's as (hidden_states, positions, residual).
     vllm_layer_hidden_arg: int = 1
+    # MoE: the routing rule that recomputes the selection from router_logits on vLLM (None: the
+    # selection is eager-only; vLLM refuses expert_weights / expert_indices).
+    routing: Routing | None = None
     vllm_final_norm_path: str = "model.norm"
     vllm_unembed_path: str = "lm_head"
     # With an empty ``vllm`` map: why vLLM cannot run this architecture at all (its refusal).
@@ -125,6 +148,10 @@ class ArchSpec:
     eager_attention_only: str = ""
 
     def __post_init__(self) -> None:
+        routed = [n for n, t in self.vllm.items() if t.source in ("route_weights", "route_indices")]
+        if routed and self.routing is None:
+            raise ValueError(f"{self.arch}: vLLM taps {routed} recompute the routing, so the spec must "
+                             "declare its rule (routing=Routing(...))")
         for name, tap in self.eager.items():
             if tap.split is not None and POINTS[name].writable:
                 raise ValueError(f"{self.arch}: point {name!r} is writable, so its tap cannot read "

@@ -11,10 +11,11 @@ a row sums to less than 1. Transformers runs sinks only in its eager attention k
 
 vLLM runs GPT-OSS natively (its CPU attention kernel applies the sinks; its fused MoE the
 clamped SwiGLU): attention is ``attn`` there, the router ``mlp.router`` returns the logits
-alone, and the decoder layer is called with hidden_states first."""
+alone (the runtime recomputes the selection from them, bias included), and the decoder layer
+is called with hidden_states first."""
 
-from ._base import (COMMON_EAGER, COMMON_VLLM, COMMON_VLLM_WRITES, LAYER, TINY_SHAPE, ArchSpec, Tap,
-                    TinyRecipe, VllmTap, build_graph, merged)
+from ._base import (COMMON_EAGER, COMMON_VLLM, COMMON_VLLM_WRITES, LAYER, TINY_SHAPE, ArchSpec, Routing,
+                    Tap, TinyRecipe, VllmTap, build_graph, merged)
 
 _TINY = TinyRecipe("GptOssConfig", seed=15, config={
     **TINY_SHAPE,
@@ -53,7 +54,11 @@ SPEC = ArchSpec(
         attn_out=VllmTap("module_out", LAYER + ".attn"),
         z=VllmTap("module_in", LAYER + ".attn.o_proj", "heads", sharded=True),
         router_logits=VllmTap("module_out", LAYER + ".mlp.router"),
+        expert_weights=VllmTap("route_weights", LAYER + ".mlp.router"),
+        expert_indices=VllmTap("route_indices", LAYER + ".mlp.router"),
     ),
+    # top-k of the biased logits, softmax over the k (vLLM's GptOssMLP: renormalize=True)
+    routing=Routing(renormalize=True),
     vllm_writes=COMMON_VLLM_WRITES,
     vllm_layer_hidden_arg=0,
 )

@@ -3,11 +3,11 @@ layer. Its router (``mlp.gate``) takes the softmax over all experts, keeps the t
 renormalises them; it returns (logits, top-k weights, top-k indices) on flattened tokens.
 
 vLLM runs Mixtral natively with the MoE block under ``block_sparse_moe``: its ``gate`` returns
-the router logits (the top-k choice happens inside the fused MoE kernel, so expert_weights and
-expert_indices stay eager-only; ``expert_assignment`` recomputes them from the logits)."""
+the router logits; the top-k choice happens inside the fused MoE kernel, so the runtime
+recomputes expert_weights and expert_indices from those logits with the same rule."""
 
-from ._base import (COMMON_EAGER, COMMON_VLLM, COMMON_VLLM_WRITES, LAYER, TINY_SHAPE, ArchSpec, Tap,
-                    TinyRecipe, VllmTap, build_graph, merged)
+from ._base import (COMMON_EAGER, COMMON_VLLM, COMMON_VLLM_WRITES, LAYER, TINY_SHAPE, ArchSpec, Routing,
+                    Tap, TinyRecipe, VllmTap, build_graph, merged)
 
 _TINY = TinyRecipe("MixtralConfig", seed=12, adds_bos=True, config={
     **TINY_SHAPE,
@@ -36,6 +36,9 @@ SPEC = ArchSpec(
         expert_indices=Tap(LAYER + ".mlp.gate", "out2", "flat"),
     ),
     vllm=merged(COMMON_VLLM, mlp_act=None,
-                router_logits=VllmTap("module_out", LAYER + ".block_sparse_moe.gate")),
+                router_logits=VllmTap("module_out", LAYER + ".block_sparse_moe.gate"),
+                expert_weights=VllmTap("route_weights", LAYER + ".block_sparse_moe.gate"),
+                expert_indices=VllmTap("route_indices", LAYER + ".block_sparse_moe.gate")),
     vllm_writes=COMMON_VLLM_WRITES,
+    routing=Routing(renormalize=True),  # vLLM's MixtralMoE: renormalize=True
 )

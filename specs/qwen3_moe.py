@@ -1,7 +1,7 @@
 """Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3 attention, a routed MoE block in every sparse layer."""
 
-from ._base import (COMMON_EAGER, COMMON_VLLM, COMMON_VLLM_WRITES, LAYER, TINY_SHAPE, ArchSpec, Tap,
-                    TinyRecipe, VllmTap, build_graph, merged)
+from ._base import (COMMON_EAGER, COMMON_VLLM, COMMON_VLLM_WRITES, LAYER, TINY_SHAPE, ArchSpec, Routing,
+                    Tap, TinyRecipe, VllmTap, build_graph, merged)
 
 _TINY = TinyRecipe("Qwen3MoeConfig", seed=4, config={
     **TINY_SHAPE,
@@ -41,6 +41,10 @@ SPEC = ArchSpec(
         expert_indices=Tap(LAYER + ".mlp.gate", "out2", "flat"),
     ),
     vllm=merged(COMMON_VLLM, mlp_act=None,
-                router_logits=VllmTap("module_out", LAYER + ".mlp.gate")),
+                router_logits=VllmTap("module_out", LAYER + ".mlp.gate"),
+                expert_weights=VllmTap("route_weights", LAYER + ".mlp.gate"),
+                expert_indices=VllmTap("route_indices", LAYER + ".mlp.gate")),
     vllm_writes=COMMON_VLLM_WRITES,
+    # softmax over all experts, top-k, renormalised when norm_topk_prob (vLLM: renormalize=norm_topk_prob)
+    routing=Routing(renormalize="norm_topk_prob"),
 )

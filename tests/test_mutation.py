@@ -81,6 +81,8 @@ VLLM: dict[str, list[str]] = {
                                        "scale_ignored", "positions_off_by_one", "nested_inner_only"],
     f"{S}::test_logit_lens_page[vllm]": ["capture_wrong_layer"],
     f"{S}::test_from_embeddings_page": ["embed_scaled"],
+    "tests/bridge/vllm/test_routing.py::test_selection_equals_eager_at_prompt_and_generated_positions[qwen3_moe]":
+        ["route_not_renormalised", "route_unsorted"],
 }
 
 

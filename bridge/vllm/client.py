@@ -49,6 +49,8 @@ _ids = itertools.count()
 
 # points vLLM holds only inside a fused projection: reads may be served, writes are refused
 _FUSED_WRITES = frozenset({"q", "k", "v", "mlp_pre"})
+# points recomputed from router_logits with the spec's routing rule (bridge/vllm/routing.py)
+_ROUTED = frozenset({"expert_weights", "expert_indices"})
 
 
 def check_engine_kwargs(kwargs: dict) -> None:
@@ -167,6 +169,7 @@ class VllmBackend:
         self._stop = False
         self._fingerprint: str | None = None
         self._in_process: bool | None = None
+        self._routing_mismatch: dict[int, str] = {}  # MoE layer -> why vLLM routes otherwise
 
     # ---- engine -----------------------------------------------------------------------
     def warmup(self) -> None:
@@ -219,6 +222,7 @@ class VllmBackend:
             self._close_engine = _closer(llm)
             infos = llm.collective_rpc("interp_install")
             self.world = len(infos)
+            self._routing_mismatch = {int(k): v for k, v in (infos[0].get("routing_mismatch") or {}).items()}
             self._llm = llm
         return self._llm
 
@@ -270,6 +274,10 @@ class VllmBackend:
                 point = POINTS[address.name]
                 return CapabilityUnsupported(point.capability or "vllm_architecture", self.name,
                                              detail=f"point {address}")
+            if address.name in _ROUTED and POINTS[address.name].served_by(self.name):
+                found = self._routing_refusal(address)
+                if found is not None:
+                    return found
         for op in plan.writes:
             name = op.address.name
             if name not in self.spec.vllm and name not in self.spec.vllm_writes:
@@ -289,6 +297,17 @@ class VllmBackend:
                     f"{self.tensor_parallel_size}", why="each rank holds only its own heads of this point",
                     instead="load with tensor_parallel_size=1 to write heads, or steer a residual-width point")
         return None
+
+    def _routing_refusal(self, address: Address) -> CapabilityUnsupported | None:
+        """The selection is recomputed from router_logits with the spec's rule: refused where
+        vLLM's own router (read when the engine starts) routes otherwise."""
+        self._engine()
+        why = self._routing_mismatch.get(address.layer)
+        if why is None:
+            return None
+        return CapabilityUnsupported("expert_selection", self.name, detail=f"point {address}",
+                                     why=why + ", so a selection recomputed with the model's rule "
+                                     "would not be the one vLLM applied")
 
     # ---- requests -----------------------------------------------------------------------
     def _sampling_params(self, config: SamplingConfig, extra: dict | None):
@@ -523,17 +542,30 @@ class VllmBackend:
     def request_output(self, prompt_ids: list[int], steps: list, finish: str, n_logprobs: int | None):
         return full_output(prompt_ids, steps, finish, n_logprobs)
 
-    def run_with_cache(self, plan: Plan, batch: TokenBatch, detach: bool = True, want_logits: bool = False):
+    def run_with_cache(self, plan: Plan, batch: TokenBatch, detach: bool = True, want_logits: bool | str = False,
+                       stop_at_layer: int | None = None):
+        """``stop_at_layer``: vLLM always runs every layer; the captures (all before that layer,
+        checked by the core) are the same, only eager's saving is lost."""
         prompt = batch.row(0)
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"the input has {len(prompt)} positions and this model's context holds "
                              f"{self.max_model_len} (max_model_len): vLLM runs a prompt only with room "
                              f"for one token after it, so pass at most {self.max_model_len - 1} positions")
+        final = Address("resid_post", self.graph.n_layers - 1)
+        if want_logits == "last":  # the final position's logits: vLLM's own head on its last residual
+            if self.name != "vllm" and final not in self.static_points:
+                raise CapabilityUnsupported("logits_in_stream", self.name, detail=f"return_logits='last' needs "
+                                            f"{final}", instead=f"declare {final} in static_points, or use "
+                                            "backend='vllm'")
+            plan = plan | Plan(reads=(final,))
         capture = _Capture()
         config = SamplingConfig(max_tokens=1, temperature=0.0, stop_at_eos=False)
         for _ in self.generate(prompt, config, plan, capture):
             pass
-        return self.assemble(plan, capture), None
+        values = self.assemble(plan, capture)
+        if want_logits != "last":
+            return values, None
+        return values, self.decode(values[final][:, -1])
 
     # ---- where the weights are (inside the workers) ---------------------------------------
     def _rank0(self, results: list):

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from interp_engine._address import Address
-from interp_engine._ops import apply_write, select_rows, stored
+from interp_engine._ops import apply_write, route, select_rows, stored
 from specs import ArchSpec, VllmTap
 
 from .wire import WirePlan, plan_from_args, process_registry, tensor_to_wire
@@ -40,6 +40,7 @@ log = logging.getLogger("interp_engine.vllm")
 
 # what the layer / module hooks read or write, by tap source
 _PRE_SOURCES = ("layer_in", "fused_in_sum", "module_in")
+_ROUTE_SOURCES = frozenset({"route_weights", "route_indices"})
 _FINISHED_KEEP = 4096  # finished requests whose captures wait for their client, at most
 
 
@@ -127,6 +128,7 @@ class Runtime:
         self.steps = 0
         self.forward_rows: collections.deque[int] = collections.deque(maxlen=1024)  # for checks
         self.static = None  # vllm-static: the declared taps compiled into the graph (static_taps)
+        self.routing: tuple[int, bool] | None = None  # MoE (top_k, renormalize): bridge/vllm/routing.py
         self._handle = self.root.register_forward_pre_hook(self._on_forward, with_kwargs=True)
 
     # ---- per forward: which rows belong to which request --------------------------------
@@ -348,6 +350,12 @@ class Runtime:
             self._apply(work, "layer_r", r, None, lambda v: v)
             h = self._apply(work, "layer_sum", h, r, lambda v: v + r)
             return h, r
+        if sources & _ROUTE_SOURCES:  # the selection vLLM's fused MoE makes from these logits
+            logits = out[0] if isinstance(out, tuple) else out
+            logits = logits.reshape(-1, logits.shape[-1])
+            weights, indices = route(logits, *self.routing)
+            self._apply(work, "route_weights", weights.to(logits.dtype), None, lambda v: v)
+            self._apply(work, "route_indices", indices, None, lambda v: v)
         if "module_out" in sources:
             first = out[0] if isinstance(out, tuple) else out
             flat = first.reshape(-1, first.shape[-1])

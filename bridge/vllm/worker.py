@@ -20,6 +20,16 @@ register()
 __all__ = ["InterpWorkerExtension", "install_runtime", "runtime_of"]  # the latter two re-exported
 
 
+def _routing_mismatch(runtime) -> dict[str, str]:
+    """MoE layers where vLLM's router does not follow the spec's rule, with why (see routing.py)."""
+    from .routing import mismatches
+
+    hf_config = runtime.runner.model_config.hf_config
+    layers = list(runtime.spec.graph_from_config(hf_config).moe_layers) if runtime.routing else []
+    return {str(layer): why for layer, why in mismatches(runtime.root, runtime.spec, runtime.routing,
+                                                          layers).items()}
+
+
 class InterpWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
@@ -27,9 +37,9 @@ class InterpWorkerExtension:
         return runtime_of(self.model_runner)
 
     def interp_install(self) -> dict:
-        install_runtime(self.model_runner)
+        runtime = install_runtime(self.model_runner)
         rank, world = tp_rank_and_size()
-        return {"rank": rank, "world": world}
+        return {"rank": rank, "world": world, "routing_mismatch": _routing_mismatch(runtime)}
 
     def interp_collect(self, rid: str, n_positions: int | None, release: bool = True) -> dict:
         out = self._interp_runtime().collect(rid, n_positions, release)

@@ -51,6 +51,8 @@ MUTANTS = {
     "static_refused_unnamed": "load_model refuses vllm-static with a plain ValueError",
     "lens_skips_norm": "the eager lens unembeds without the final norm",
     "embed_scaled": "model.embed returns 1.5 x the input embeddings",
+    "route_not_renormalised": "vLLM's recomputed expert weights skip the renormalisation over the top k",
+    "route_unsorted": "vLLM's recomputed selection lists the top k worst first",
 }
 
 SIDED = {"add_noop", "ablate_identity", "set_ignores_positions", "add_scaled", "write_noop",
@@ -197,6 +199,16 @@ def _patch_runtime(module) -> None:
             return kept
         return stored(t)
     module.stored = mutant_stored
+    route = module.route
+
+    def mutant_route(logits, top_k, renormalize):
+        if active("route_not_renormalised"):
+            renormalize = False
+        weights, indices = route(logits, top_k, renormalize)
+        if active("route_unsorted"):
+            return weights.flip(-1), indices.flip(-1)
+        return weights, indices
+    module.route = mutant_route
 
     runtime = module.Runtime
     tap = runtime._tap

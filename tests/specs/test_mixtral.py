@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from interp_engine import CapabilityUnsupported, expert_assignment, run_with_cache
+from interp_engine import expert_assignment, run_with_cache
 from tests._reference import PROMPT, PROMPTS
 
 TOL = dict(rtol=1e-5, atol=1e-5)
@@ -49,12 +49,12 @@ def test_routing_on_vllm_equals_eager(model_pool):
     vllm = model_pool.get("mixtral", "vllm", enable_prompt_embeds=True)
     g = eager.graph
     tokens = eager.to_tokens(PROMPTS[0])
-    with pytest.raises(CapabilityUnsupported, match="expert_selection"):
-        run_with_cache(vllm, tokens, ["expert_weights.0"])
-    cv = run_with_cache(vllm, tokens, [f"router_logits.{L}" for L in g.moe_layers])
+    cv = run_with_cache(vllm, tokens, [f"{n}.{L}" for n in ("router_logits", "expert_indices", "expert_weights")
+                                        for L in g.moe_layers])
     ce = run_with_cache(eager, tokens, [f"{n}.{L}" for n in ("router_logits", "expert_indices", "expert_weights")
                                         for L in g.moe_layers])
     for L in g.moe_layers:
         torch.testing.assert_close(cv.get("router_logits", L), ce.get("router_logits", L), **TOL)
-        dense_v = expert_assignment(cv, L, g.n_experts, top_k=g.top_k)
+        dense_v = expert_assignment(cv, L, g.n_experts)  # the selection vLLM serves
         torch.testing.assert_close(dense_v, expert_assignment(ce, L, g.n_experts), **TOL)
+        assert torch.equal(cv.get("expert_indices", L), ce.get("expert_indices", L))
