@@ -13,8 +13,10 @@ vLLM runs GPT-OSS natively (its CPU attention kernel applies the sinks; its fuse
 clamped SwiGLU): attention is ``attn`` there, the router ``mlp.router`` returns the logits
 alone, and the decoder layer is called with hidden_states first."""
 
-from ._base import (COMMON_EAGER, COMMON_VLLM, COMMON_VLLM_WRITES, LAYER, TINY_SHAPE, ArchSpec, Tap,
-                    TinyRecipe, VllmTap, build_graph, merged)
+from ._base import (COMMON_EAGER, COMMON_VLLM, COMMON_VLLM_WRITES, LAYER, QKV_PARTS, TINY_SHAPE, ArchSpec, Split,
+                    Tap, TinyRecipe, VllmTap, build_graph, merged)
+
+_QKV = LAYER + ".attn.qkv_proj"  # vLLM's attention module is ``attn`` here
 
 _TINY = TinyRecipe("GptOssConfig", seed=15, config={
     **TINY_SHAPE,
@@ -49,9 +51,12 @@ SPEC = ArchSpec(
     ),
     eager_attention_only="transformers has no SDPA path for GPT-OSS's attention sinks",
     vllm=merged(
-        COMMON_VLLM, mlp_act=None,
+        COMMON_VLLM, mlp_pre=None, mlp_act=None,
         attn_out=VllmTap("module_out", LAYER + ".attn"),
         z=VllmTap("module_in", LAYER + ".attn.o_proj", "heads", sharded=True),
+        q=VllmTap("module_out", _QKV, "heads", split=Split(QKV_PARTS, 0)),
+        k=VllmTap("module_out", _QKV, "kv_heads", split=Split(QKV_PARTS, 1)),
+        v=VllmTap("module_out", _QKV, "kv_heads", split=Split(QKV_PARTS, 2)),
         router_logits=VllmTap("module_out", LAYER + ".mlp.router"),
     ),
     vllm_writes=COMMON_VLLM_WRITES,

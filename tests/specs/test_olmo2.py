@@ -47,7 +47,10 @@ def test_the_transformers_backend_is_the_default_door():
     assert spec.vllm["resid_mid"].path == "model.layers.{L}.mlp" == spec.eager["resid_mid"].path
     assert spec.vllm["attn_out"].source == "module_out"
     assert spec.vllm_final_norm_path == "model.norm"
-    assert "q" not in spec.vllm  # vLLM serves no attention internals
+    # q and k at the HF norms; v and mlp_pre as parts of what vLLM's fusers merge the HF projections into
+    assert spec.vllm["q"].path == "model.layers.{L}.self_attn.q_norm" and spec.vllm["q"].split is None
+    assert spec.vllm["v"].path.endswith("self_attn.qkv_proj") and spec.vllm["v"].split.index == 2
+    assert spec.vllm["mlp_pre"].path.endswith("mlp.gate_up_proj") and spec.vllm["mlp_pre"].split.index == 0
     neox = SPECS["gpt_neox"]
     assert neox.vllm_model_impl == "transformers"
     assert neox.vllm["resid_pre"].path == "model.layers.{L}" and neox.vllm_final_norm_path == "model.final_layer_norm"
