@@ -139,7 +139,7 @@ class ArchSpec:
     def __post_init__(self) -> None:
         object.__setattr__(self, "vllm_refused", MappingProxyType(dict(self.vllm_refused)))
         object.__setattr__(self, "vllm_fused", MappingProxyType(dict(self.vllm_fused)))
-        if self.vllm_fused and self.vllm:
+        if self.vllm_fused and self.vllm and self.vllm_model_impl != "transformers":  # (a copy keeps its own)
             raise ValueError(f"{self.arch}: vllm_fused amends the map derived for vLLM's Transformers "
                              "backend; a spec with its own vllm map writes its taps there")
         for name, tap in self.eager.items():

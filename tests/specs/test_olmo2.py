@@ -57,3 +57,18 @@ def test_the_transformers_backend_is_the_default_door():
     assert not SPECS["deepseek_v4"].vllm_served and SPECS["deepseek_v4"].vllm_model_impl == ""
     for native in ("qwen3", "gpt2", "gemma3", "mixtral"):
         assert SPECS[native].vllm_model_impl == ""
+
+
+def test_vllm_fused_only_amends_the_derived_map():
+    """vllm_fused replaces taps of the map derived for the Transformers backend; a spec with its
+    own vLLM map writes its taps there, so both at once is refused at construction."""
+    import dataclasses
+
+    import pytest
+
+    spec = SPECS["olmo2"]
+    assert dict(spec.vllm_fused).keys() == {"v", "mlp_pre"}
+    with pytest.raises(ValueError, match="vllm_fused amends"):
+        dataclasses.replace(SPECS["qwen3"], vllm_fused={"v": spec.vllm["v"]})
+    copy = dataclasses.replace(spec, arch="olmo2_copy")  # a copy of a derived spec keeps its map
+    assert copy.vllm == spec.vllm
