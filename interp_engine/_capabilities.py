@@ -46,6 +46,7 @@ class CapabilityUnsupported(RuntimeError):
 
 _ALL = frozenset({"eager", "vllm", "vllm-static"})
 _EAGER = frozenset({"eager"})
+_HOOKS = frozenset({"eager", "vllm"})
 
 
 def _c(name: str, why: str, instead: str, backends: frozenset[str]) -> Capability:
@@ -70,17 +71,20 @@ CAPABILITIES = MappingProxyType(
                "capture resid_pre, attn_out and mlp_out (resid_post = resid_pre + attn_out + "
                "mlp_out)", _ALL),
             _c("attention_internals",
-               "vLLM's attention kernel consumes q, k and v inside one fused call and never "
-               "materialises them per head before rotary embedding",
-               "capture 'z' (served on vLLM) or use backend='eager' for q, k and v", _EAGER),
+               "vLLM computes q, k and v in one fused qkv projection; its hook runtime reads them "
+               "as parts of that output (after the per-head q/k norms where the model has them, "
+               "before rotary embedding, as eager defines them), which needs the whole projection "
+               "on one rank (tensor_parallel_size=1); vllm-static compiles residual-width taps only",
+               "use backend='vllm' with tensor_parallel_size=1, or backend='eager'", _HOOKS),
             _c("attention_pattern",
                "vLLM's paged attention kernels never form the attention probability matrix",
                "use backend='eager'", _EAGER),
             _c("mlp_internals",
-               "vLLM fuses the gate and up projections into one matmul and the activation "
-               "into the act-and-mul kernel, so the gate pre-activation alone is never formed",
-               "capture 'mlp_act' (served on vLLM: the input of down_proj), or use "
-               "backend='eager' for mlp_pre", _EAGER),
+               "vLLM computes the gate and up projections in one fused gate_up projection; its "
+               "hook runtime reads mlp_pre as the gate part of that output and mlp_act at "
+               "down_proj's input, which needs the whole projection on one rank for mlp_pre "
+               "(tensor_parallel_size=1); vllm-static compiles residual-width taps only",
+               "use backend='vllm' with tensor_parallel_size=1, or backend='eager'", _HOOKS),
             _c("expert_selection",
                "vLLM selects and weights experts inside its fused MoE kernel and never returns "
                "the selection; the vLLM backend recomputes it from router_logits only where the "

@@ -56,13 +56,18 @@ class VllmTap:
     (``x + residual`` at a fused add+norm ``path`` called as ``norm(x, residual)``),
     ``route_weights`` / ``route_indices`` (the selection recomputed from the router logits that
     ``path`` outputs, with the spec's ``routing`` rule: vLLM never returns its own).
-    Rows are flat tokens; ``post`` ``heads`` splits the last dim into heads.
+    ``heads_out`` (read only: the ``[tokens, heads, d_head]`` output of a per-head module such
+    as Qwen3's ``q_norm``, one row per token).
+    Rows are flat tokens; ``split`` (read only) takes one part of a fused output (q of
+    ``qkv_proj``, the gate of ``gate_up_proj``) in the worker, before the rows leave it;
+    ``post`` ``heads`` splits the last dim into heads.
     """
 
     source: str
     path: str | None = None
     post: str | None = None
     sharded: bool = False  # under tensor parallelism each rank holds its heads' slice (concatenated)
+    split: Split | None = None
 
     def module_path(self, layer: int) -> str | None:
         return None if self.path is None else self.path.format(L=layer)
@@ -140,6 +145,13 @@ class ArchSpec:
     vllm_unembed_path: str = "lm_head"
     # With an empty ``vllm`` map: why vLLM cannot run this architecture at all (its refusal).
     vllm_note: str = ""
+    # Points eager serves that vLLM's model of this architecture cannot give exactly: point ->
+    # why (named in the refusal, with the point's capability).
+    vllm_refused: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
+    # With the Transformers backend (the default door): taps replacing the derived ones where
+    # vLLM's own fusers rewrite the HF modules (q_proj/k_proj/v_proj into one qkv_proj,
+    # gate_proj/up_proj into one gate_up_proj); None drops a point.
+    vllm_fused: Mapping[str, VllmTap | None] = field(default_factory=lambda: MappingProxyType({}))
     # vLLM's ``model_impl`` for this architecture: "" (vLLM's native model) or "transformers"
     # (vLLM's Transformers backend, which runs the HF modules inside vLLM); set by the default door.
     vllm_model_impl: str = ""
@@ -148,6 +160,11 @@ class ArchSpec:
     eager_attention_only: str = ""
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "vllm_refused", MappingProxyType(dict(self.vllm_refused)))
+        object.__setattr__(self, "vllm_fused", MappingProxyType(dict(self.vllm_fused)))
+        if self.vllm_fused and self.vllm and self.vllm_model_impl != "transformers":  # (a copy keeps its own)
+            raise ValueError(f"{self.arch}: vllm_fused amends the map derived for vLLM's Transformers "
+                             "backend; a spec with its own vllm map writes its taps there")
         routed = [n for n, t in self.vllm.items() if t.source in ("route_weights", "route_indices")]
         if routed and self.routing is None:
             raise ValueError(f"{self.arch}: vLLM taps {routed} recompute the routing, so the spec must "
@@ -159,7 +176,8 @@ class ArchSpec:
         if not self.vllm and not self.vllm_note:
             # The default door: no native vLLM map, so vLLM runs the HF modules themselves
             # through its Transformers backend, under its own root ``model``.
-            object.__setattr__(self, "vllm", transformers_backend_taps(self.eager, self.hf_base))
+            object.__setattr__(self, "vllm", merged(transformers_backend_taps(self.eager, self.hf_base),
+                                                    **self.vllm_fused))
             object.__setattr__(self, "vllm_model_impl", "transformers")
             object.__setattr__(self, "vllm_final_norm_path", _rebase(self.final_norm_path, self.hf_base))
             object.__setattr__(self, "vllm_writes", MappingProxyType({}))
@@ -268,8 +286,21 @@ COMMON_VLLM = MappingProxyType({
     "attn_out": VllmTap("module_out", LAYER + ".self_attn"),
     "mlp_out": VllmTap("layer_h", LAYER),
     "z": VllmTap("module_in", LAYER + ".self_attn.o_proj", "heads", sharded=True),
-    # vLLM's fused act-and-mul feeds down_proj the same act(gate) * up that eager reads there.
+    # vLLM fuses q | k | v into qkv_proj (its output is before rotary embedding, as eager's
+    # q_proj / k_proj / v_proj outputs are) and gate | up into gate_up_proj: the worker takes
+    # the part. Its fused act-and-mul feeds down_proj the same act(gate) * up that eager reads
+    # there (mlp_act).
+    "q": VllmTap("module_out", LAYER + ".self_attn.qkv_proj", "heads", split=Split(QKV_PARTS, 0)),
+    "k": VllmTap("module_out", LAYER + ".self_attn.qkv_proj", "kv_heads", split=Split(QKV_PARTS, 1)),
+    "v": VllmTap("module_out", LAYER + ".self_attn.qkv_proj", "kv_heads", split=Split(QKV_PARTS, 2)),
+    "mlp_pre": VllmTap("module_out", LAYER + ".mlp.gate_up_proj", split=Split(GATE_UP_PARTS, 0)),
     "mlp_act": VllmTap("module_in", LAYER + ".mlp.down_proj", sharded=True),
+})
+# Architectures with per-head q/k norms (Qwen3, Gemma 3): vLLM applies them to
+# [tokens, heads, d_head] views of qkv_proj's parts before rotary embedding, as eager does.
+QK_NORM_VLLM = MappingProxyType({
+    "q": VllmTap("heads_out", LAYER + ".self_attn.q_norm", "heads"),
+    "k": VllmTap("heads_out", LAYER + ".self_attn.k_norm", "kv_heads"),
 })
 # resid_mid is written where attention's output meets the residual: norm(attn_out, resid_pre).
 COMMON_VLLM_WRITES = MappingProxyType({
@@ -318,12 +349,14 @@ def transformers_backend_taps(eager: Mapping[str, Tap], hf_base: str) -> Mapping
     of the HF ``*ForCausalLM``'s ``hf_base``, read at their inputs and outputs. Derived from the
     eager map for every point vLLM can serve; fused-split taps stay eager-only. A write at a
     module input edits the tensor in place on vLLM, so a block that keeps that tensor as its
-    residual (``residual = h; h = mlp(h)``) sees it on both paths, as eager's resid_mid does."""
+    residual (``residual = h; h = mlp(h)``) sees it on both paths, as eager's resid_mid does.
+    A part of a fused output (GPT-NeoX's query_key_value) is taken in the worker, as eager does.
+    Where vLLM's fusers merge HF projections, the spec's ``vllm_fused`` replaces these taps."""
     out = {}
     for name, tap in eager.items():
         point = POINTS[name]
-        if not point.vllm or tap.split is not None or tap.how not in _TRANSFORMERS_SOURCES:
+        if not point.vllm or tap.how not in _TRANSFORMERS_SOURCES:
             continue
         out[name] = VllmTap(_TRANSFORMERS_SOURCES[tap.how], _rebase(tap.path, hf_base), tap.post,
-                            sharded=name == "z")
+                            sharded=name == "z", split=tap.split)
     return MappingProxyType(out)

@@ -4,9 +4,10 @@ and global attention with a separate rotary base for each, and per-head RMSNorm 
 
 What a block adds to the residual is the output of its post-norm. Gemma 3 norms q and k after
 moving heads before positions, so those taps read ``[batch, heads, pos, d_head]``
-(``heads_first``). vLLM runs it natively, fused like Gemma 2."""
+(``heads_first``). vLLM runs it natively, fused like Gemma 2, and norms q and k on
+``[tokens, heads, d_head]`` views of its fused qkv_proj's parts."""
 
-from ._base import (COMMON_EAGER, COMMON_VLLM, LAYER, SANDWICH_EAGER, SANDWICH_VLLM,
+from ._base import (COMMON_EAGER, COMMON_VLLM, LAYER, QK_NORM_VLLM, SANDWICH_EAGER, SANDWICH_VLLM,
                     SANDWICH_VLLM_WRITES, TINY_SHAPE, ArchSpec, Tap, TinyRecipe, build_graph, merged)
 
 _TINY = TinyRecipe(
@@ -45,6 +46,6 @@ SPEC = ArchSpec(
         q=Tap(LAYER + ".self_attn.q_norm", "out", "heads_first"),
         k=Tap(LAYER + ".self_attn.k_norm", "out", "heads_first"),
     ),
-    vllm=merged(COMMON_VLLM, **SANDWICH_VLLM),
+    vllm=merged(COMMON_VLLM, **SANDWICH_VLLM, **QK_NORM_VLLM),
     vllm_writes=SANDWICH_VLLM_WRITES,
 )

@@ -59,6 +59,11 @@ SPEC = ArchSpec(
         "attn_out": VllmTap("module_out", H + ".attn"),
         "mlp_out": VllmTap("module_out", H + ".mlp"),
         "z": VllmTap("module_in", H + ".attn.c_proj", "heads", sharded=True),
+        # vLLM's c_attn writes q | k | v as eager's Conv1D does (before any rotary: GPT-2 has none)
+        "q": VllmTap("module_out", H + ".attn.c_attn", "heads", split=Split(QKV_PARTS, 0)),
+        "k": VllmTap("module_out", H + ".attn.c_attn", "kv_heads", split=Split(QKV_PARTS, 1)),
+        "v": VllmTap("module_out", H + ".attn.c_attn", "kv_heads", split=Split(QKV_PARTS, 2)),
+        "mlp_pre": VllmTap("module_out", H + ".mlp.c_fc"),
         "mlp_act": VllmTap("module_in", H + ".mlp.c_proj", sharded=True),
     },
     vllm_final_norm_path="transformer.ln_f",

@@ -14,8 +14,10 @@ clamped SwiGLU): attention is ``attn`` there, the router ``mlp.router`` returns 
 alone (the runtime recomputes the selection from them, bias included), and the decoder layer
 is called with hidden_states first."""
 
-from ._base import (COMMON_EAGER, COMMON_VLLM, COMMON_VLLM_WRITES, LAYER, TINY_SHAPE, ArchSpec, Routing,
-                    Tap, TinyRecipe, VllmTap, build_graph, merged)
+from ._base import (COMMON_EAGER, COMMON_VLLM, COMMON_VLLM_WRITES, LAYER, QKV_PARTS, TINY_SHAPE, ArchSpec,
+                    Routing, Split, Tap, TinyRecipe, VllmTap, build_graph, merged)
+
+_QKV = LAYER + ".attn.qkv_proj"  # vLLM's attention module is ``attn`` here
 
 _TINY = TinyRecipe("GptOssConfig", seed=15, config={
     **TINY_SHAPE,
@@ -50,9 +52,12 @@ SPEC = ArchSpec(
     ),
     eager_attention_only="transformers has no SDPA path for GPT-OSS's attention sinks",
     vllm=merged(
-        COMMON_VLLM, mlp_act=None,
+        COMMON_VLLM, mlp_pre=None, mlp_act=None,
         attn_out=VllmTap("module_out", LAYER + ".attn"),
         z=VllmTap("module_in", LAYER + ".attn.o_proj", "heads", sharded=True),
+        q=VllmTap("module_out", _QKV, "heads", split=Split(QKV_PARTS, 0)),
+        k=VllmTap("module_out", _QKV, "kv_heads", split=Split(QKV_PARTS, 1)),
+        v=VllmTap("module_out", _QKV, "kv_heads", split=Split(QKV_PARTS, 2)),
         router_logits=VllmTap("module_out", LAYER + ".mlp.router"),
         expert_weights=VllmTap("route_weights", LAYER + ".mlp.router"),
         expert_indices=VllmTap("route_indices", LAYER + ".mlp.router"),

@@ -35,7 +35,7 @@ SPEC = ArchSpec(
         expert_weights=Tap(LAYER + ".mlp.gate", "out1", "flat"),
         expert_indices=Tap(LAYER + ".mlp.gate", "out2", "flat"),
     ),
-    vllm=merged(COMMON_VLLM, mlp_act=None,
+    vllm=merged(COMMON_VLLM, mlp_pre=None, mlp_act=None,
                 router_logits=VllmTap("module_out", LAYER + ".block_sparse_moe.gate"),
                 expert_weights=VllmTap("route_weights", LAYER + ".block_sparse_moe.gate"),
                 expert_indices=VllmTap("route_indices", LAYER + ".block_sparse_moe.gate")),

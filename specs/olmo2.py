@@ -5,9 +5,13 @@ read at those norms. q and k pass an RMSNorm over all heads together before rota
 
 vLLM 0.32 has no native OLMo 2 model (its registry sends ``Olmo2ForCausalLM`` to the
 Transformers backend), so this spec has no vLLM map: the default door runs the HF modules inside
-vLLM with the eager map moved under that backend's root."""
+vLLM with the eager map moved under that backend's root. That backend's fusers merge q_proj,
+k_proj and v_proj into one ``qkv_proj`` (q | k | v) and gate_proj and up_proj into one
+``gate_up_proj`` (gate | up) under an act-and-mul: ``vllm_fused`` reads v and mlp_pre as parts
+of those (q and k stay at q_norm / k_norm, which read the fused parts)."""
 
-from ._base import COMMON_EAGER, LAYER, TINY_SHAPE, ArchSpec, Tap, TinyRecipe, build_graph, merged
+from ._base import (COMMON_EAGER, GATE_UP_PARTS, LAYER, QKV_PARTS, TINY_SHAPE, ArchSpec, Split, Tap, TinyRecipe,
+                    VllmTap, build_graph, merged)
 
 SPEC = ArchSpec(
     arch="olmo2",
@@ -23,4 +27,8 @@ SPEC = ArchSpec(
         q=Tap(LAYER + ".self_attn.q_norm", "out", "heads"),
         k=Tap(LAYER + ".self_attn.k_norm", "out", "kv_heads"),
     ),
+    vllm_fused={
+        "v": VllmTap("module_out", LAYER + ".self_attn.qkv_proj", "kv_heads", split=Split(QKV_PARTS, 2)),
+        "mlp_pre": VllmTap("module_out", LAYER + ".mlp.gate_up_proj", split=Split(GATE_UP_PARTS, 0)),
+    },
 )

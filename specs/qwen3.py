@@ -1,7 +1,7 @@
 """Qwen3 (Qwen3ForCausalLM): Llama layout plus per-head RMSNorm on q and k."""
 
-from ._base import (COMMON_EAGER, COMMON_VLLM, COMMON_VLLM_WRITES, LAYER, TINY_SHAPE, ArchSpec, Tap,
-                    TinyRecipe, build_graph, merged)
+from ._base import (COMMON_EAGER, COMMON_VLLM, COMMON_VLLM_WRITES, LAYER, QK_NORM_VLLM, TINY_SHAPE, ArchSpec,
+                    Tap, TinyRecipe, build_graph, merged)
 
 # "bench": a random Qwen3 of about 26M parameters (hidden 512, 8 layers, 8 heads of 64).
 _BENCH = {
@@ -30,6 +30,6 @@ SPEC = ArchSpec(
         q=Tap(LAYER + ".self_attn.q_norm", "out"),
         k=Tap(LAYER + ".self_attn.k_norm", "out"),
     ),
-    vllm=COMMON_VLLM,
+    vllm=merged(COMMON_VLLM, **QK_NORM_VLLM),
     vllm_writes=COMMON_VLLM_WRITES,
 )

@@ -1,7 +1,7 @@
 """Qwen3-MoE (Qwen3MoeForCausalLM): Qwen3 attention, a routed MoE block in every sparse layer."""
 
-from ._base import (COMMON_EAGER, COMMON_VLLM, COMMON_VLLM_WRITES, LAYER, TINY_SHAPE, ArchSpec, Routing,
-                    Tap, TinyRecipe, VllmTap, build_graph, merged)
+from ._base import (COMMON_EAGER, COMMON_VLLM, COMMON_VLLM_WRITES, LAYER, QK_NORM_VLLM, TINY_SHAPE, ArchSpec,
+                    Routing, Tap, TinyRecipe, VllmTap, build_graph, merged)
 
 _TINY = TinyRecipe("Qwen3MoeConfig", seed=4, config={
     **TINY_SHAPE,
@@ -25,6 +25,10 @@ def _graph(config):
                        top_k=int(config.num_experts_per_tok), d_mlp=d_mlp)
 
 
+# Only a config with mlp_only_layers has dense MLP layers (the tiny recipe has none).
+_DENSE_MLP = ("the dense (mlp_only_layers) MLP layers of Qwen3-MoE are not mapped in its vLLM taps; "
+              "every other layer is a routed MoE block, which has no single MLP hidden layer")
+
 SPEC = ArchSpec(
     arch="qwen3_moe",
     model_types=("qwen3_moe",),
@@ -40,10 +44,11 @@ SPEC = ArchSpec(
         expert_weights=Tap(LAYER + ".mlp.gate", "out1", "flat"),
         expert_indices=Tap(LAYER + ".mlp.gate", "out2", "flat"),
     ),
-    vllm=merged(COMMON_VLLM, mlp_act=None,
+    vllm=merged(COMMON_VLLM, **QK_NORM_VLLM, mlp_pre=None, mlp_act=None,
                 router_logits=VllmTap("module_out", LAYER + ".mlp.gate"),
                 expert_weights=VllmTap("route_weights", LAYER + ".mlp.gate"),
                 expert_indices=VllmTap("route_indices", LAYER + ".mlp.gate")),
+    vllm_refused={name: _DENSE_MLP for name in ("mlp_pre", "mlp_act")},
     vllm_writes=COMMON_VLLM_WRITES,
     # softmax over all experts, top-k, renormalised when norm_topk_prob (vLLM: renormalize=norm_topk_prob)
     routing=Routing(renormalize="norm_topk_prob"),

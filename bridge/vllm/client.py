@@ -47,7 +47,8 @@ VALIDATOR = "bridge.vllm.validator:PlanValidator"
 _ids = itertools.count()
 
 
-# points vLLM holds only inside a fused projection: reads may be served, writes are refused
+# points vLLM holds only inside a fused projection: reads are served (with tensor_parallel_size=1),
+# writes are refused
 _FUSED_WRITES = frozenset({"q", "k", "v", "mlp_pre"})
 # points recomputed from router_logits with the spec's routing rule (bridge/vllm/routing.py)
 _ROUTED = frozenset({"expert_weights", "expert_indices"})
@@ -270,14 +271,22 @@ class VllmBackend:
         if batch is not None and len(batch) != 1:
             return CapabilityUnsupported("batched_prompts", self.name, detail=f"a batch of {len(batch)}")
         for address in plan.reads:
+            point = POINTS[address.name]
             if address.name not in self.spec.vllm:
-                point = POINTS[address.name]
                 return CapabilityUnsupported(point.capability or "vllm_architecture", self.name,
-                                             detail=f"point {address}")
-            if address.name in _ROUTED and POINTS[address.name].served_by(self.name):
+                                             detail=f"point {address}",
+                                             why=self.spec.vllm_refused.get(address.name))
+            if address.name in _ROUTED and point.served_by(self.name):
                 found = self._routing_refusal(address)
                 if found is not None:
                     return found
+            if address.name in _FUSED_WRITES and self.tensor_parallel_size > 1:
+                return CapabilityUnsupported(
+                    point.capability or "vllm_architecture", self.name,
+                    detail=f"point {address} with tensor_parallel_size={self.tensor_parallel_size}",
+                    why="each rank computes only its own slice of the fused projection (and per-head "
+                        "norm) this point is read from, and the slices are not reassembled",
+                    instead="load with tensor_parallel_size=1, or use backend='eager'")
         for op in plan.writes:
             name = op.address.name
             if name not in self.spec.vllm and name not in self.spec.vllm_writes:

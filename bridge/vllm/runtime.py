@@ -129,7 +129,16 @@ class Runtime:
         self.forward_rows: collections.deque[int] = collections.deque(maxlen=1024)  # for checks
         self.static = None  # vllm-static: the declared taps compiled into the graph (static_taps)
         self.routing: tuple[int, bool] | None = None  # MoE (top_k, renormalize): bridge/vllm/routing.py
+        self._graph = None  # the model's sizes, for the parts of fused outputs (see ``graph``)
         self._handle = self.root.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+
+    @property
+    def graph(self):
+        """The model's graph (its sizes), built from vLLM's HF config on first use: the widths of
+        the parts of a fused output (q | k | v of qkv_proj, gate | up of gate_up_proj)."""
+        if self._graph is None:
+            self._graph = self.spec.graph_from_config(self.runner.model_config.hf_config)
+        return self._graph
 
     # ---- per forward: which rows belong to which request --------------------------------
     def _on_forward(self, module, args, kwargs):
@@ -310,7 +319,11 @@ class Runtime:
                     offset += e - s
             for _, _, request, address, s, e in reads:
                 a = at[(s, e)]
-                self._guard(request, self._read, request, address, rows[a:a + e - s], s, e)
+                part = rows[a:a + e - s]
+                split = self._tap(address.name, False).split
+                if split is not None:  # one part of a fused output (q of qkv_proj, gate of gate_up_proj)
+                    part = split.take(part, self.graph)
+                self._guard(request, self._read, request, address, part, s, e)
         return x
 
     def _run_pre(self, site: _Site, args, kwargs):
@@ -356,6 +369,9 @@ class Runtime:
             weights, indices = route(logits, *self.routing)
             self._apply(work, "route_weights", weights.to(logits.dtype), None, lambda v: v)
             self._apply(work, "route_indices", indices, None, lambda v: v)
+        if "heads_out" in sources:  # read only: a per-head module's [tokens, heads, d_head] output
+            first = out[0] if isinstance(out, tuple) else out
+            self._apply(work, "heads_out", first.flatten(-2), None, lambda v: v)
         if "module_out" in sources:
             first = out[0] if isinstance(out, tuple) else out
             flat = first.reshape(-1, first.shape[-1])

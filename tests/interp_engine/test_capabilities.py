@@ -95,8 +95,9 @@ def test_grad_support_of_a_trainable_model(model_pool):
 def test_point_table_per_model(eager_models):
     qwen = eager_models["qwen3"]
     by_name = {p.name: p for p in qwen.points()}
-    assert not by_name["q"].vllm and not by_name["pattern"].vllm and not by_name["mlp_pre"].vllm
-    assert by_name["mlp_act"].vllm and not by_name["mlp_act"].vllm_static
+    assert not by_name["pattern"].vllm
+    for name in ("q", "k", "v", "mlp_pre", "mlp_act"):  # read inside vLLM's fused modules by the hook runtime
+        assert by_name[name].vllm and not by_name[name].vllm_static, name
     assert by_name["resid_post"].vllm and by_name["z"].vllm
     assert by_name["resid_post"].writable and not by_name["z"].writable
     ds = {p.name: p for p in eager_models["deepseek_v4"].points()}

@@ -47,10 +47,28 @@ def test_the_transformers_backend_is_the_default_door():
     assert spec.vllm["resid_mid"].path == "model.layers.{L}.mlp" == spec.eager["resid_mid"].path
     assert spec.vllm["attn_out"].source == "module_out"
     assert spec.vllm_final_norm_path == "model.norm"
-    assert "q" not in spec.vllm  # vLLM serves no attention internals
+    # q and k at the HF norms; v and mlp_pre as parts of what vLLM's fusers merge the HF projections into
+    assert spec.vllm["q"].path == "model.layers.{L}.self_attn.q_norm" and spec.vllm["q"].split is None
+    assert spec.vllm["v"].path.endswith("self_attn.qkv_proj") and spec.vllm["v"].split.index == 2
+    assert spec.vllm["mlp_pre"].path.endswith("mlp.gate_up_proj") and spec.vllm["mlp_pre"].split.index == 0
     neox = SPECS["gpt_neox"]
     assert neox.vllm_model_impl == "transformers"
     assert neox.vllm["resid_pre"].path == "model.layers.{L}" and neox.vllm_final_norm_path == "model.final_layer_norm"
     assert not SPECS["deepseek_v4"].vllm_served and SPECS["deepseek_v4"].vllm_model_impl == ""
     for native in ("qwen3", "gpt2", "gemma3", "mixtral"):
         assert SPECS[native].vllm_model_impl == ""
+
+
+def test_vllm_fused_only_amends_the_derived_map():
+    """vllm_fused replaces taps of the map derived for the Transformers backend; a spec with its
+    own vLLM map writes its taps there, so both at once is refused at construction."""
+    import dataclasses
+
+    import pytest
+
+    spec = SPECS["olmo2"]
+    assert dict(spec.vllm_fused).keys() == {"v", "mlp_pre"}
+    with pytest.raises(ValueError, match="vllm_fused amends"):
+        dataclasses.replace(SPECS["qwen3"], vllm_fused={"v": spec.vllm["v"]})
+    copy = dataclasses.replace(spec, arch="olmo2_copy")  # a copy of a derived spec keeps its map
+    assert copy.vllm == spec.vllm

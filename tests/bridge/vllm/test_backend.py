@@ -209,8 +209,7 @@ def test_refusals_before_any_forward():
     assert model.hooks_available and not model.graph_replay
     assert model.static_points == () and model.static_writes == ()
     assert not model.grad_support.through_forward
-    for point, capability in (("mlp_pre.1", "mlp_internals"), ("pattern.0", "attention_pattern"),
-                              ("q.0", "attention_internals")):
+    for point, capability in (("pattern.0", "attention_pattern"),):
         with pytest.raises(CapabilityUnsupported) as info:
             run_with_cache(model, tokens, [point])
         assert info.value.capability == capability and info.value.backend == "vllm"

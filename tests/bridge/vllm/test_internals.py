@@ -1,0 +1,76 @@
+"""Points vLLM holds inside fused modules, read by the worker runtime: q, k, v (parts of the
+fused qkv projection, or the per-head q/k norms' outputs where the model has them) and mlp_pre
+(the gate part of the fused gate_up projection; GPT-2's and GPT-NeoX's unfused first MLP
+layer), next to mlp_act (down_proj's input). Every architecture of the registry that vLLM runs,
+every layer, against eager's capture and against the hand-written HF references, fp32 to 1e-5
+of scale. Where vLLM cannot serve a point exactly, the refusal comes before any forward."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+from interp_engine import Address, CapabilityUnsupported, load_model, run_with_cache
+from interp_engine.testing import VLLM_ARCHS, assert_close_scaled, tiny_model
+from specs import SPECS
+from tests._reference import reference_points
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                                  reason="vllm not installed")]
+
+# longer than the tiny recipes' sliding windows (16), so a windowed layer's keys are cut
+PROMPT = ("Once upon a time, in a land far away, there lived a café owner who baked bread "
+          "every morning before the sun rose over the hills")
+INTERNALS = ("q", "k", "v", "mlp_pre", "mlp_act")
+
+
+def internal_addresses(model) -> list[Address]:
+    """Every address of the fused-internal points the model has (MoE layers have no mlp_*)."""
+    names = {p.name for p in model.points()}
+    return [Address(n, layer) for n in INTERNALS if n in names for layer in model.graph.layers_of(n)]
+
+
+def assert_internals_match(eager, vllm, tokens) -> None:
+    """vLLM's captures of every internal point equal eager's and the HF reference's."""
+    points = internal_addresses(eager)
+    assert points, "no internal point to compare"
+    ce, cv = run_with_cache(eager, tokens, points), run_with_cache(vllm, tokens, points)
+    ref = reference_points(eager, tokens)
+    for address in points:
+        assert_close_scaled(cv[address], ce[address], msg=f"{eager.graph.arch} {address} vs eager")
+        assert_close_scaled(cv[address], ref[(address.name, address.layer)],
+                            msg=f"{eager.graph.arch} {address} vs the HF reference")
+
+
+@pytest.mark.parametrize("arch", VLLM_ARCHS)
+def test_every_internal_point_is_served_or_refused_with_a_reason(arch):
+    spec = SPECS[arch]
+    for name in INTERNALS:
+        if name in spec.eager:
+            assert name in spec.vllm or name in spec.vllm_refused, (arch, name)
+
+
+@pytest.mark.parametrize("arch", VLLM_ARCHS)
+def test_fused_internals_equal_eager_and_reference(model_pool, arch):
+    eager, vllm = model_pool.get(arch), model_pool.get(arch, "vllm")
+    served = {p.name for p in vllm.points() if p.vllm}
+    assert {"q", "k", "v"} <= served, (arch, served)
+    assert_internals_match(eager, vllm, eager.to_tokens(PROMPT))
+
+
+def test_refusals_before_any_forward():
+    """Under tensor parallelism each rank holds a slice of the fused projection: refused, as is
+    vllm-static, whose graph taps are residual-width only; no engine starts for either."""
+    model = load_model(tiny_model("qwen3"), backend="vllm", tensor_parallel_size=2)
+    tokens = model.to_tokens("Hi")
+    for point, capability in (("q.0", "attention_internals"), ("v.2", "attention_internals"),
+                              ("mlp_pre.1", "mlp_internals")):
+        with pytest.raises(CapabilityUnsupported, match="tensor_parallel_size=2") as info:
+            run_with_cache(model, tokens, [point])
+        assert info.value.capability == capability and "tensor_parallel_size=1" in info.value.instead
+    assert model.backend._llm is None
+    for point in ("q.1", "k.1", "v.1", "mlp_pre.1", "mlp_act.1"):
+        with pytest.raises(CapabilityUnsupported, match=f"static_point.*{point}"):
+            load_model(tiny_model("qwen3"), backend="vllm-static", static_points=[point])
+    assert not any(p.vllm_static for p in model.points() if p.name in INTERNALS)
