@@ -1,8 +1,9 @@
-"""The laws (on eager, vLLM with hooks, and vllm-static where a law is portable): backends agree, capture never changes outputs, steering at scale 0 is the
-identity, steering composes, the lens at the last layer is the logits, expert_assignment is
-the router's top-k, capture_generation rows are a forward over prompt + generated[:-1],
-streamed deltas are the text, seeded sampling repeats, transforms never mutate their inputs,
-addresses round-trip, and refusals happen exactly where the capability table says."""
+"""The laws (on eager, vLLM with hooks, and vllm-static where a law is portable): backends
+agree, capture never changes outputs, steering at scale 0 is the identity, steering composes,
+the lens at the last layer is the logits, expert_assignment is the router's top-k,
+capture_generation rows are a forward over prompt + generated[:-1], streamed deltas are the
+text, seeded sampling repeats, transforms never mutate their inputs, addresses round-trip,
+and refusals happen exactly where the capability table says."""
 
 from __future__ import annotations
 
