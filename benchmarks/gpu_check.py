@@ -153,10 +153,12 @@ def steering(eager, hooks, static) -> str:
     from interp_engine import generate_stream, steer
 
     tokens = eager.to_tokens(PROMPTS[1])
-    before = static.backend.rpc("interp_static_info")[0]["counts"]
+    before = None
     changed = 0
     plain = [s.token_id for s in generate_stream(eager, tokens, max_tokens=8, temperature=0.0)]
     for i, spec in enumerate(_specs(eager)):
+        if i == 1:  # after the first steered run (vLLM compiles sampler helpers on first use)
+            before = static.backend.rpc("interp_static_info")[0]["counts"]
         runs = []
         for model in (eager, hooks, static):
             with steer(model, spec):
@@ -169,7 +171,7 @@ def steering(eager, hooks, static) -> str:
                 torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-5, msg=f"spec {i}: {name} logprobs")
         changed += [s.token_id for s in runs[0]] != plain
     after = static.backend.rpc("interp_static_info")[0]["counts"]
-    assert after == before, f"compile counters moved: {before} -> {after}"
+    assert after == before, f"new vectors recompiled: counters {before} -> {after}"
     assert after["dynamo_graph_breaks"] == 0, after
     assert changed >= 2, "the specs do not steer: check is void"
     return f"{changed} of {len(_specs(eager))} specs changed the tokens"
