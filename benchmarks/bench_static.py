@@ -9,6 +9,9 @@ interp_engine in it):
 
 1 and 16 concurrent requests; 32 greedy tokens and prefill only (1 token). Targets (issue 11):
 static capture <= 1.15x plain compiled, static steering <= 1.05x, both faster than hooks.
+Each block also prints capture and steering against vllm-static driven with no plan (the same
+interp_engine client path), which isolates what the compiled taps and sites cost from what the
+client costs.
 All engines stay up and the variants run interleaved, so machine noise hits them alike.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_static.py [--variant tiny|bench] [--repeats N]
@@ -101,6 +104,10 @@ def main() -> None:
             report(f"{n_req} concurrent request(s), {what}", medians, "plain compiled vLLM (llm.generate)",
                    {"vllm-static, capture resid_post x all": "<= 1.15",
                     f"vllm-static, steer {site}": "<= 1.05"})
+            # what the compiled taps and sites themselves cost: the same driver with no plan
+            base = medians["vllm-static, no plan (interp_engine)"]
+            for name in ("vllm-static, capture resid_post x all", f"vllm-static, steer {site}"):
+                print(f"  {name + ' / no plan':<44} ratio {medians[name] / base:6.3f}")
     static.close()
     hooks.close()
 

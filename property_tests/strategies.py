@@ -31,12 +31,15 @@ def vectors(d_model: int, rows: int | None = None):
 
 
 @st.composite
-def steer_recipes(draw, model, max_ops: int = 3, max_pos: int = 24):
+def steer_recipes(draw, model, max_ops: int = 3, max_pos: int = 24, one_per_site: bool = False):
     """What a caller builds a spec from: a list of ``(op, site, vector, scale, positions)``.
-    The vectors are the caller's own tensors (laws check that nothing edits them)."""
+    The vectors are the caller's own tensors (laws check that nothing edits them).
+    ``one_per_site``: every op at its own site (vllm-static compiles one op per site and request)."""
     recipe = []
     for _ in range(draw(st.integers(1, max_ops))):
         site = draw(addresses(model, writable=True))
+        if one_per_site and any(site == r[1] for r in recipe):
+            continue
         op = draw(st.sampled_from(["add", "ablate", "set"]))
         positions = draw(st.one_of(
             st.sampled_from(["all", "prompt", "generated"]),
@@ -65,8 +68,8 @@ def build_spec(recipe) -> SteerSpec:
     return spec
 
 
-def steer_specs(model, max_ops: int = 3, max_pos: int = 24):
-    return steer_recipes(model, max_ops, max_pos).map(build_spec)
+def steer_specs(model, max_ops: int = 3, max_pos: int = 24, one_per_site: bool = False):
+    return steer_recipes(model, max_ops, max_pos, one_per_site).map(build_spec)
 
 
 def sampling(max_tokens: int = 8):

@@ -1,8 +1,9 @@
-"""The laws: backends agree, capture never changes outputs, steering at scale 0 is the
-identity, steering composes, the lens at the last layer is the logits, expert_assignment is
-the router's top-k, capture_generation rows are a forward over prompt + generated[:-1],
-streamed deltas are the text, seeded sampling repeats, transforms never mutate their inputs,
-addresses round-trip, and refusals happen exactly where the capability table says."""
+"""The laws (on eager, vLLM with hooks, and vllm-static where a law is portable): backends
+agree, capture never changes outputs, steering at scale 0 is the identity, steering composes,
+the lens at the last layer is the logits, expert_assignment is the router's top-k,
+capture_generation rows are a forward over prompt + generated[:-1], streamed deltas are the
+text, seeded sampling repeats, transforms never mutate their inputs, addresses round-trip,
+and refusals happen exactly where the capability table says."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import string
 
 import pytest
 import torch
-from hypothesis import assume, example, given, strategies as st
+from hypothesis import assume, example, given, settings, strategies as st
 
 from interp_engine import (CAPABILITIES, POINTS, Address, CapabilityUnsupported, SteerSpec,
                            capture_generation, capture_plan, expert_assignment, format_address,
@@ -24,8 +25,25 @@ from strategies import (addresses, build_spec, sampling, steer_recipes, steer_sp
 EAGER_ARCHS = TINY_ARCHS  # every architecture in the spec registry (specs/)
 needs_vllm = pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
 ATOL, RTOL = 3e-5, 1e-5
+# vllm-static runs the portable laws on a dense and an MoE architecture (each engine is one
+# compile, shared with tests/bridge/vllm/test_static.py through the same declared set)
+STATIC_ARCHS = tuple(a for a in ("qwen3", "qwen3_moe") if a in VLLM_ARCHS)
+STATIC_NAMES = tuple(name for name, point in POINTS.items() if point.vllm_static)
 
 
+def static_options(n_layers: int) -> dict:
+    """Every residual-width point at every layer, as taps and as steering sites."""
+    every = tuple(f"{name}.{layer}" for layer in range(n_layers) for name in STATIC_NAMES)
+    return {"static_points": every, "static_writes": every}
+
+
+def bounded(backend: str):
+    """The profile's settings, with half the examples on vllm-static (at least 2): its laws
+    share the row mapping with the hook-based backend, which runs the full count, so what they
+    add is the compiled ops (and CI time grows little)."""
+    if backend != "vllm-static":
+        return settings()
+    return settings(max_examples=max(2, settings.default.max_examples // 2))
 
 
 def _logits(model, ids):
@@ -71,16 +89,24 @@ def _assert_same_point(actual, expected, point, model, ids):
 
 # ---- backends agree ----------------------------------------------------------------------
 
-@pytest.fixture(params=[pytest.param(a, marks=[needs_vllm, pytest.mark.vllm]) for a in VLLM_ARCHS])
+_PAIRS = [pytest.param((a, "vllm"), marks=[needs_vllm, pytest.mark.vllm], id=a) for a in VLLM_ARCHS] + [
+    pytest.param((a, "vllm-static"), marks=[needs_vllm, pytest.mark.vllm], id=f"{a}-static") for a in STATIC_ARCHS]
+
+
+@pytest.fixture(params=_PAIRS)
 def pair(request, model_pool):
-    """(eager, vllm) on the same tiny weights; one engine per architecture for the session."""
-    return model_pool.get(request.param), model_pool.get(request.param, "vllm", enable_prompt_embeds=True)
+    """(eager, vllm or vllm-static) on the same tiny weights; one engine per architecture and
+    backend for the session."""
+    arch, backend = request.param
+    return model_pool.get(arch), _model(model_pool, arch, backend)
 
 
 def test_backends_agree_on_every_served_point(pair):
     eager, vllm = pair
+    backend = vllm.backend_name
 
-    @given(ids=token_ids(eager), points=st.lists(addresses(vllm, "vllm"), min_size=1, max_size=4, unique=True))
+    @bounded(backend)
+    @given(ids=token_ids(eager), points=st.lists(addresses(vllm, backend), min_size=1, max_size=4, unique=True))
     def law(ids, points):
         ce, cv = run_with_cache(eager, ids, points), run_with_cache(vllm, ids, points)
         for p in points:
@@ -90,8 +116,11 @@ def test_backends_agree_on_every_served_point(pair):
 
 def test_backends_agree_on_greedy_tokens_logprobs_and_steering(pair):
     eager, vllm = pair
+    static = vllm.backend_name == "vllm-static"
 
-    @given(ids=token_ids(eager, max_size=12), spec=st.none() | steer_specs(eager), n=st.integers(1, 6))
+    @bounded(vllm.backend_name)
+    @given(ids=token_ids(eager, max_size=12), spec=st.none() | steer_specs(eager, one_per_site=static),
+           n=st.integers(1, 6))
     def law(ids, spec, n):
         if spec is None:
             _assert_same_greedy(_greedy(eager, ids, n), _greedy(vllm, ids, n))
@@ -107,7 +136,8 @@ def test_backends_agree_on_greedy_tokens_logprobs_and_steering(pair):
 def test_capture_generation_rows_equal_across_backends(pair):
     eager, vllm = pair
 
-    @given(ids=token_ids(eager, max_size=10), point=addresses(vllm, "vllm"), n=st.integers(1, 5))
+    @bounded(vllm.backend_name)
+    @given(ids=token_ids(eager, max_size=10), point=addresses(vllm, vllm.backend_name), n=st.integers(1, 5))
     def law(ids, point, n):
         ce_c, ce = capture_generation(eager, ids, [point], max_tokens=n, temperature=0.0)
         cv_c, cv = capture_generation(vllm, ids, [point], max_tokens=n, temperature=0.0)
@@ -122,6 +152,8 @@ def _backends(arch):
     out = [(arch, "eager")]
     if arch in VLLM_ARCHS:
         out.append(pytest.param(arch, "vllm", marks=[needs_vllm, pytest.mark.vllm]))
+    if arch in STATIC_ARCHS:
+        out.append(pytest.param(arch, "vllm-static", marks=[needs_vllm, pytest.mark.vllm]))
     return out
 
 
@@ -131,6 +163,8 @@ ALL_BACKENDS = [b for arch in EAGER_ARCHS for b in _backends(arch)]
 def _model(model_pool, arch, backend):
     if backend == "eager":
         return model_pool.get(arch)
+    if backend == "vllm-static":
+        return model_pool.get(arch, backend, **static_options(model_pool.get(arch).n_layers))
     return model_pool.get(arch, backend, enable_prompt_embeds=True)
 
 
@@ -138,6 +172,7 @@ def _model(model_pool, arch, backend):
 def test_capture_never_changes_outputs(model_pool, arch, backend):
     model = _model(model_pool, arch, backend)
 
+    @bounded(backend)
     @given(ids=token_ids(model, max_size=12), points=st.lists(addresses(model, backend), min_size=1, max_size=4))
     def law(ids, points):
         if backend == "eager":
@@ -171,7 +206,8 @@ def test_steering_at_scale_zero_is_the_identity_and_nonzero_steering_is_not(mode
     if not any(p.writable for p in model.points()):
         pytest.skip("no steering sites")
 
-    @given(ids=token_ids(model, max_size=12), site=addresses(model, writable=True), seed=st.integers(0, 999),
+    @bounded(backend)
+    @given(ids=token_ids(model, max_size=12), site=addresses(model, backend, writable=True), seed=st.integers(0, 999),
            positions=st.sampled_from(["all", "prompt", "generated", (0, 2)]))
     def law(ids, site, seed, positions):
         v = torch.randn(model.d_model, generator=torch.Generator().manual_seed(seed))
@@ -260,14 +296,15 @@ def test_lens_at_the_last_layer_equals_the_logits(model_pool, arch):
 
 @needs_vllm
 @pytest.mark.vllm
-@pytest.mark.parametrize("arch", VLLM_ARCHS)
-def test_lens_at_the_last_layer_equals_the_logprobs_on_vllm(model_pool, arch):
+@pytest.mark.parametrize("arch,backend", [(a, "vllm") for a in VLLM_ARCHS] + [(a, "vllm-static") for a in STATIC_ARCHS])
+def test_lens_at_the_last_layer_equals_the_logprobs_on_vllm(model_pool, arch, backend):
     """vLLM never ships logits out of its worker, so the law reads them as greedy logprobs: the
     lens over the last layer's resid_post, captured while generating, gives at row
     len(prompt) - 1 + i the logprobs step i reports, and those tokens are its top-k."""
-    model = model_pool.get(arch, "vllm", enable_prompt_embeds=True)
+    model = _model(model_pool, arch, backend)
     last = Address("resid_post", model.n_layers - 1)
 
+    @bounded(backend)
     @given(ids=token_ids(model, max_size=10), n=st.integers(1, 4))
     def law(ids, n):
         completion, cache = capture_generation(model, ids, [last], max_tokens=n, temperature=0.0, n_logprobs=2)
@@ -309,6 +346,7 @@ def test_expert_assignment_is_the_routers_selection(model_pool, arch):
 def test_capture_generation_rows_are_a_forward_over_prompt_and_generated(model_pool, arch, backend):
     model = _model(model_pool, arch, backend)
 
+    @bounded(backend)
     @given(ids=token_ids(model, max_size=10), point=addresses(model, backend), params=sampling(6))
     def law(ids, point, params):
         completion, cache = capture_generation(model, ids, [point], **params)
@@ -323,6 +361,7 @@ def test_capture_generation_rows_are_a_forward_over_prompt_and_generated(model_p
 def test_deltas_join_to_the_text_and_seeded_sampling_repeats(model_pool, arch, backend):
     model = _model(model_pool, arch, backend)
 
+    @bounded(backend)
     @given(ids=token_ids(model, max_size=10), params=sampling(10))
     def law(ids, params):
         params = {k: v for k, v in params.items()}
@@ -418,7 +457,10 @@ def test_refusals_happen_exactly_where_the_table_says(model_pool, arch, backend)
             run_with_cache(model, tokens, [address])
         capability = CAPABILITIES[info.value.capability]
         assert not capability.served_by(backend) and capability.served_by("eager")
-        assert info.value.capability == (POINTS[point.name].capability or "vllm_architecture")
+        if backend == "vllm-static" and point.vllm:  # served by hooks, never compiled in
+            assert info.value.capability == "static_point"
+        else:
+            assert info.value.capability == (POINTS[point.name].capability or "vllm_architecture")
     for name in ("gradients", "batched_prompts", "logits_in_stream"):
         if CAPABILITIES[name].served_by(backend):
             continue

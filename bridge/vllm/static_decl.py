@@ -20,7 +20,7 @@ from interp_engine._points import POINTS
 __all__ = ["AUTO_POINTS", "AUTO_WRITES", "CONFIG_KEY", "STATIC_SOURCES", "StaticDeclaration", "declare"]
 
 CONFIG_KEY = "static"
-VERSION = 1  # bump when the compiled ops change: old cached graphs must not load
+VERSION = 2  # bump when the compiled ops change: old cached graphs must not load
 AUTO_POINTS = ("resid_post", "attn_out", "mlp_out")
 AUTO_WRITES = ("resid_post",)
 DEFAULT_SLOTS = 64

@@ -1,67 +1,91 @@
 """The two custom ops vllm-static compiles into vLLM's decoder layers.
 
-Each is a ``torch.library.custom_op`` that mutates only persistent tensors the runtime owns (and,
-for a steering site, the activation it steers), with a fake implementation, so Dynamo and
-inductor keep it as one opaque node inside the compiled graph (no graph break) and a CUDA graph
-replays it. What varies per step is data in those tensors, filled by the runtime outside the
-graph before each forward (``bridge.vllm.static_taps``); editing them never recompiles.
+Each is a torch.library op whose schema marks what it mutates (``Tensor(a!)``): only persistent
+tensors the runtime owns (and, for a steering site, the activation it steers), with a fake
+implementation, so Dynamo and inductor keep it as one opaque node inside the compiled graph (no
+graph break) and a CUDA graph replays it. They are defined with ``torch.library.Library`` and
+one implementation for every device rather than with ``torch.library.custom_op``: the compiled
+graph calls them on every step, even with no plan in flight, and ``custom_op``'s Python wrapper
+(argument binding, autograd dispatch) cost about 4x as much per call as the op itself on CPU.
+What varies per step is data in those tensors, filled by the runtime outside the graph before
+each forward (``bridge.vllm.static_taps``); editing them never recompiles.
 
 ``tap``: copy rows into a capture buffer. ``rows[:count[0]]`` lists the rows of ``x`` that some
 request captures, in order; they land in ``buf[:count]``. Padding rows are never listed, so they
 write nowhere. On CUDA (where a replayed graph cannot read ``count`` on the host) every row ``r``
 is copied to ``buf[dest[r]]`` instead, and rows nobody captures point at the buffer's last row, a
-sink the runtime never reads. ``y`` (optional) is added first: vLLM's fused layers carry a point as a sum
-(``resid_post = h + r``). The copy happens inside the op, so a later in-place kernel (CUDA's
-fused add+RMSNorm) cannot change a captured value.
+sink the runtime never reads. The runtime keeps ``count`` on the host too, so nothing reads it
+back after the forward (no device-to-host sync per tap). ``y`` (optional) is added first:
+vLLM's fused layers carry a point as a sum (``resid_post = h + r``). The copy happens inside the
+op, so a later in-place kernel (CUDA's fused add+RMSNorm) cannot change a captured value.
 
 ``steer``: write rows of ``x`` in place from a bank of per-slot vectors. Row ``rows[i]`` takes
 slot ``slots[i]``; its new value is ``s * x + v - (1 - s) * base - p * ((x + base) . u) u`` with
 ``v = vec[slot]``, ``u = dir[slot]``, ``(s, p) = coef[slot]``: add is ``(1, 0)``, set is
 ``(0, 0)``, ablate is ``(1, 1)`` with ``v = 0`` (``base`` is what the tensor is offset from the
 point by, or zero); zero is ``(0, 0)`` and scale ``(factor, 0)`` with ``v = 0``, mean and patch
-are set (``interp_engine._ops.AFFINE``). On CUDA every row is rewritten from ``slot_of[r]``; slot 0 is the identity
-(``(1, 0)``, zero vectors), which rows nobody steers point at. With ``coef`` exactly 0/1 add and set round exactly as the eager math does.
+are set (``interp_engine._ops.AFFINE``). On CUDA every row is rewritten from ``slot_of[r]``;
+slot 0 is the identity (``(1, 0)``, zero vectors), which rows nobody steers point at. With
+``coef`` exactly 0/1 add and set round exactly as the eager math does.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["NAMESPACE", "steer", "tap"]
+__all__ = ["NAMESPACE", "steer", "steer_fixed", "steer_rows", "tap", "tap_fixed", "tap_rows"]
 
 NAMESPACE = "interp_engine"
 
+_LIB = torch.library.Library(NAMESPACE, "FRAGMENT")  # kept alive for the process's lifetime
+_LIB.define("tap(Tensor x, Tensor? y, Tensor(a!) buf, Tensor rows, Tensor count, Tensor dest) -> ()")
+_LIB.define("steer(Tensor(a!) x, Tensor? base, Tensor vec, Tensor direction, Tensor coef, Tensor rows, "
+            "Tensor slots, Tensor count, Tensor slot_of) -> ()")
 
-@torch.library.custom_op(f"{NAMESPACE}::tap", mutates_args=("buf",))
+
 def tap(x: torch.Tensor, y: torch.Tensor | None, buf: torch.Tensor, rows: torch.Tensor,
         count: torch.Tensor, dest: torch.Tensor) -> None:
-    if x.is_cuda:  # fixed shapes, no host read: safe inside a CUDA graph
-        n = x.shape[0]
-        buf.index_copy_(0, dest[:n], x if y is None else x + y)
-        return
+    if x.is_cuda:
+        tap_fixed(x, y, buf, dest)
+    else:
+        tap_rows(x, y, buf, rows, count)
+
+
+def tap_fixed(x: torch.Tensor, y: torch.Tensor | None, buf: torch.Tensor, dest: torch.Tensor) -> None:
+    """Every row to ``buf[dest[r]]`` (the sink row for rows nobody captures): fixed shapes, no
+    host read, so a CUDA graph can replay it."""
+    buf.index_copy_(0, dest[:x.shape[0]], x if y is None else x + y)
+
+
+def tap_rows(x: torch.Tensor, y: torch.Tensor | None, buf: torch.Tensor, rows: torch.Tensor,
+             count: torch.Tensor) -> None:
+    """Rows ``rows[:count]`` to ``buf[:count]`` (``count`` lives on the CPU here: no device sync)."""
     k = int(count[0])
     if k == 0:
         return
     index = rows[:k]
-    value = x.index_select(0, index)
+    out = buf[:k]
+    torch.index_select(x, 0, index, out=out)  # the copy happens here, into the op's own buffer
     if y is not None:
-        value = value + y.index_select(0, index)
-    buf[:k].copy_(value)
+        out.add_(y.index_select(0, index))
 
 
-@tap.register_fake
-def _tap_fake(x, y, buf, rows, count, dest) -> None:
-    return None
-
-
-@torch.library.custom_op(f"{NAMESPACE}::steer", mutates_args=("x",))
 def steer(x: torch.Tensor, base: torch.Tensor | None, vec: torch.Tensor, direction: torch.Tensor,
           coef: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor, count: torch.Tensor,
           slot_of: torch.Tensor) -> None:
-    if x.is_cuda:  # every row, from its slot (0: identity): no host read inside a CUDA graph
-        n = x.shape[0]
-        x.copy_(_rewrite(x, base, vec, direction, coef, slot_of[:n], None))
-        return
+    if x.is_cuda:
+        steer_fixed(x, base, vec, direction, coef, slot_of)
+    else:
+        steer_rows(x, base, vec, direction, coef, rows, slots, count)
+
+
+def steer_fixed(x, base, vec, direction, coef, slot_of) -> None:
+    """Every row from its slot (0: the identity): fixed shapes, no host read (CUDA graphs)."""
+    x.copy_(_rewrite(x, base, vec, direction, coef, slot_of[:x.shape[0]], None))
+
+
+def steer_rows(x, base, vec, direction, coef, rows, slots, count) -> None:
+    """Rows ``rows[:count]`` from slots ``slots[:count]``."""
     k = int(count[0])
     if k == 0:
         return
@@ -85,6 +109,15 @@ def _rewrite(x, base, vec, direction, coef, slot, index):
     return new.to(x.dtype)
 
 
-@steer.register_fake
+def _tap_fake(x, y, buf, rows, count, dest) -> None:
+    return None
+
+
 def _steer_fake(x, base, vec, direction, coef, rows, slots, count, slot_of) -> None:
     return None
+
+
+_LIB.impl("tap", tap, "CompositeExplicitAutograd")
+_LIB.impl("steer", steer, "CompositeExplicitAutograd")
+torch.library.register_fake(f"{NAMESPACE}::tap", _tap_fake, lib=_LIB)
+torch.library.register_fake(f"{NAMESPACE}::steer", _steer_fake, lib=_LIB)

@@ -47,8 +47,10 @@ class _Tap:
     rows: torch.Tensor
     count: torch.Tensor
     dest: torch.Tensor
-    readers: list = field(default_factory=list)  # this step: [(request, s, e, rows, offset)]
-    used: int = 0  # rows written last step (0: nothing to reset)
+    readers: list = field(default_factory=list)  # this step: [(request, s, e, offset)]
+    spans: tuple = ()  # the (s, e) row spans the maps hold (what count, rows and dest say)
+    k: int = 0  # count[0], known on the host: drain never reads it back from the device
+    used: int = 0  # dest rows written (CUDA only; 0: nothing to reset)
 
     def run(self, x: torch.Tensor, y: torch.Tensor | None) -> None:
         torch.ops.interp_engine.tap(x, y, self.buf, self.rows, self.count, self.dest)
@@ -68,7 +70,8 @@ class _Site:
     count: torch.Tensor
     slot_of: torch.Tensor
     free: list = field(default_factory=list)
-    used: int = 0
+    key: tuple | None = None  # what the maps hold: [(s, e, slot) | (rows, slots)], None when empty
+    used: int = 0  # slot_of rows written (CUDA only)
 
     def run(self, x: torch.Tensor, base: torch.Tensor | None) -> None:
         torch.ops.interp_engine.steer(x, base, self.vec, self.direction, self.coef, self.rows,
@@ -83,6 +86,9 @@ class StaticTaps:
         self.root, self.spec = root, spec
         self.max_tokens, self.n_slots = max_tokens, slots
         self.device, self.dtype = device, dtype
+        # CUDA replays the graph with fixed shapes, so its ops read the per-row maps (dest,
+        # slot_of); elsewhere they read rows[:count] and the per-row maps are never filled
+        self.fixed = device.type == "cuda"
         long = dict(dtype=torch.long, device=device)
         self.taps: dict[Address, _Tap] = {}
         for address in points:
@@ -163,6 +169,7 @@ class StaticTaps:
         finally:
             self.owned[id(request)] = held
         request.static_slots = [torch.tensor(slots) for _, slots in held]  # op i, vector row j -> slot
+        request.static_first = [slots[0] for _, slots in held]  # op i's slot for a one-vector op
 
     def forget(self, request) -> None:
         for site, slots in self.owned.pop(id(request), ()):
@@ -170,80 +177,101 @@ class StaticTaps:
 
     # ---- per step: outside the graph ---------------------------------------------------
     def fill(self, active: list, positions: torch.Tensor | None) -> None:
-        """This step's row maps from the runtime's ``active`` [(request, s, e)]."""
+        """This step's row maps from the runtime's ``active`` [(request, s, e)]. A map that
+        holds the same rows as last step is not rewritten (a steady decode writes nothing)."""
         if not active and self.idle:
             return  # maps already empty: an engine with no plan in flight pays no Python per tap
         for tap in self.taps.values():
             tap.readers = []
-        work: dict[int, tuple[list, list]] = {}
+        work: dict[int, list] = {}
         for request, s, e in active:
             if request.error is not None:
                 continue
             for address in request.plan.reads:
-                tap = self.taps[address]
-                tap.readers.append((request, s, e))
+                self.taps[address].readers.append((request, s, e))
             for i, op in enumerate(request.plan.writes):
                 sel = select_rows(op.positions, op.per_position, positions[s:e], request.prompt_len)
                 if sel.empty:
+                    continue
+                parts = work.setdefault(id(self.sites[op.address]), [])
+                if sel.rows is None and sel.vector_rows is None:
+                    parts.append((s, e, request.static_first[i]))
                     continue
                 held = request.static_slots[i]
                 rows = torch.arange(s, e) if sel.rows is None else sel.rows + s
                 slots = (held[:1].expand(rows.numel()) if sel.vector_rows is None
                          else held.index_select(0, sel.vector_rows))
-                entry = work.setdefault(id(self.sites[op.address]), ([], []))
-                entry[0].append(rows)
-                entry[1].append(slots)
+                parts.append((tuple(rows.tolist()), tuple(slots.tolist())))
+        built: dict[tuple, torch.Tensor] = {}  # one row list per distinct span set this step
         for tap in self.taps.values():
-            self._fill_tap(tap)
+            self._fill_tap(tap, built)
         for site in self.sites.values():
-            self._fill_site(site, work.get(id(site)))
-        self.idle = not any(t.used for t in self.taps.values()) and not any(s.used for s in self.sites.values())
+            self._fill_site(site, tuple(work.get(id(site), ())))
+        self.idle = not any(t.spans for t in self.taps.values()) and all(
+            s.key is None for s in self.sites.values())
 
-    def _fill_tap(self, tap: _Tap) -> None:
-        if tap.used:
-            tap.dest[:tap.used].fill_(self.max_tokens)
-        if not tap.readers:
-            if tap.used:
+    def _fill_tap(self, tap: _Tap, built: dict) -> None:
+        spans = tuple(sorted({(s, e) for _, s, e in tap.readers}))
+        if spans != tap.spans:
+            if self.fixed and tap.used:
+                tap.dest[:tap.used].fill_(self.max_tokens)
+                tap.used = 0
+            tap.spans = spans
+            if not spans:
                 tap.count.zero_()
-            tap.used = 0
-            return
-        spans = sorted({(s, e) for _, s, e in tap.readers})
-        rows = torch.cat([torch.arange(s, e) for s, e in spans])
-        k = rows.numel()
-        tap.rows[:k].copy_(rows)
-        tap.dest.index_copy_(0, rows.to(self.device), torch.arange(k, device=self.device))
-        tap.count.fill_(k)
-        tap.used = int(rows.max()) + 1
+                tap.k = 0
+                return
+            rows = built.get(spans)
+            if rows is None:
+                rows = built[spans] = torch.cat([torch.arange(s, e) for s, e in spans])
+            tap.k = rows.numel()
+            tap.rows[:tap.k].copy_(rows)
+            tap.count.fill_(tap.k)
+            if self.fixed:
+                tap.dest.index_copy_(0, rows.to(self.device), torch.arange(tap.k, device=self.device))
+                tap.used = spans[-1][1]  # spans never overlap: the last ends highest
         offsets, at = {}, 0
         for s, e in spans:
             offsets[(s, e)] = at
             at += e - s
         tap.readers = [(request, s, e, offsets[(s, e)]) for request, s, e in tap.readers]
 
-    def _fill_site(self, site: _Site, entry) -> None:
-        if site.used:
-            site.slot_of[:site.used].zero_()
-        if entry is None:
-            if site.used:
-                site.count.zero_()
-            site.used = 0
+    def _fill_site(self, site: _Site, parts: tuple) -> None:
+        key = parts or None
+        if key == site.key:
             return
-        rows, slots = torch.cat(entry[0]), torch.cat(entry[1])
+        if self.fixed and site.used:
+            site.slot_of[:site.used].zero_()
+            site.used = 0
+        site.key = key
+        if key is None:
+            site.count.zero_()
+            return
+        rows = torch.cat([torch.arange(p[0], p[1]) if len(p) == 3 else torch.tensor(p[0]) for p in parts])
+        slots = torch.cat([torch.full((p[1] - p[0],), p[2]) if len(p) == 3 else torch.tensor(p[1])
+                           for p in parts])
         k = rows.numel()
         site.rows[:k].copy_(rows)
         site.slots[:k].copy_(slots)
-        site.slot_of.index_copy_(0, rows.to(self.device), slots.to(self.device))
         site.count.fill_(k)
-        site.used = int(rows.max()) + 1
+        if self.fixed:
+            site.slot_of.index_copy_(0, rows.to(self.device), slots.to(self.device))
+            site.used = int(rows.max()) + 1
 
     def drain(self, put: Callable[[Any, Address, torch.Tensor, int, int], None]) -> None:
         """After the forward: each reader's rows leave the buffers (``put(request, address,
-        rows, s, e)``)."""
-        for tap in self.taps.values():
-            if not tap.readers:
-                continue
-            k = int(tap.count[0])
-            rows = stored(tap.buf[:k])
+        rows, s, e)``), in one copy to the CPU for all taps (one device sync per step)."""
+        live = [tap for tap in self.taps.values() if tap.readers]
+        if not live:
+            return
+        if len(live) == 1:
+            flat = stored(live[0].buf[:live[0].k])
+        else:
+            flat = stored(torch.cat([tap.buf[:tap.k] for tap in live]))
+        at = 0
+        for tap in live:
+            rows = flat[at:at + tap.k]
+            at += tap.k
             for request, s, e, offset in tap.readers:
                 put(request, tap.address, rows[offset:offset + e - s], s, e)
             tap.readers = []

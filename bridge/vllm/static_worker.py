@@ -34,6 +34,10 @@ def install_static(runtime: Any, runner: Any) -> None:
     runtime.static = taps
 
     def drain(module, args, out):
+        if not runtime.store_captures:  # a tensor-parallel rank > 0: rank 0 holds the same rows
+            for tap in taps.taps.values():  # (static points are full width after the all-reduce)
+                tap.readers = []
+            return None
         try:
             taps.drain(runtime._read)
         except Exception as exc:  # never into vLLM's forward: fail the readers instead

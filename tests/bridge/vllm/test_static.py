@@ -207,3 +207,36 @@ def test_other_architectures_capture_and_steer_like_eager(model_pool, arch):
         ss = list(generate_stream(model, tokens, max_tokens=6, temperature=0.0, n_logprobs=3))
     _same_steps(se, ss, arch)
     assert _info(model)["counts"]["dynamo_graph_breaks"] == 0
+
+
+def test_tensor_parallel_two_ranks_equal_one_rank_and_eager(model_pool, qwen3):
+    """Two CPU ranks (the backend binds one core to each, VLLM_CPU_OMP_THREADS_BIND="0|1"): the
+    declared points are full width after each layer's all-reduce, so every rank's compiled taps
+    hold the same rows (rank 0's come back) and every rank applies the same steering; captures,
+    steered tokens and logprobs equal one rank and eager."""
+    eager, one = qwen3
+    two = model_pool.get("qwen3", "vllm-static", tensor_parallel_size=2, **_declared())
+    two.warmup()
+    assert two.backend.world == 2
+    tokens = eager.to_tokens(PROMPTS[1])
+    points = [f"{n}.{layer}" for n in NAMES for layer in (0, N_LAYERS - 1)]
+    ce, c1, c2 = (run_with_cache(m, tokens, points) for m in (eager, one, two))
+    for p in points:
+        assert_close_scaled(c2[p], ce[p], msg=f"tp2 vs eager {p}")
+        assert_close_scaled(c2[p], c1[p], msg=f"tp2 vs tp1 {p}")
+    spec = _specs(eager)["ablate_mid_set_pre"] | SteerSpec.add("attn_out.0", torch.ones(eager.d_model), scale=3.0)
+    runs = []
+    for model in (eager, one, two):
+        with steer(model, spec):
+            runs.append(list(generate_stream(model, tokens, max_tokens=8, temperature=0.0, n_logprobs=3)))
+    _same_steps(runs[0], runs[2], "tp2 vs eager")
+    _same_steps(runs[1], runs[2], "tp2 vs tp1")
+    captured = []
+    for model in (eager, two):
+        with steer(model, spec):
+            captured.append(capture_generation(model, tokens, ["resid_post.1", "mlp_out.2"], max_tokens=5,
+                                               temperature=0.0)[1])
+    expected, values = captured
+    for p in ("resid_post.1", "mlp_out.2"):
+        assert_close_scaled(values[p], expected[p], tol=2e-5, msg=f"tp2 steered generation {p}")
+    assert all(info["counts"]["dynamo_graph_breaks"] == 0 for info in two.backend.rpc("interp_static_info"))

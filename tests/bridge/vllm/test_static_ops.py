@@ -1,0 +1,122 @@
+"""vllm-static's ops and row maps without an engine (fast, and the only place the fixed-shape
+path that CUDA graphs replay runs in CI): ``StaticTaps.fill`` for concurrent requests with
+padding rows between them, both op paths (``tap_rows`` / ``steer_rows`` on CPU, ``tap_fixed`` /
+``steer_fixed`` on CUDA) against the op math written out here, rows leaving in ``drain``, maps
+kept or rewritten as the batch changes, and a captured value surviving an in-place write to
+its source (CUDA's fused add+RMSNorm). Runs on CUDA too where one is present
+(``benchmarks/gpu_check.sh``)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from bridge.vllm.static_ops import steer_fixed, steer_rows, tap_fixed, tap_rows
+from bridge.vllm.static_taps import StaticTaps
+from interp_engine import Address
+from specs import SPECS
+
+D, MAX_TOKENS = 8, 16
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+POST0, MLP1 = Address("resid_post", 0), Address("mlp_out", 1)
+
+
+def _request(reads, writes, vectors, prompt_len):
+    plan = SimpleNamespace(reads=tuple(reads), writes=tuple(writes))
+    return SimpleNamespace(plan=plan, vectors=vectors, prompt_len=prompt_len, error=None)
+
+
+def _op(address, kind, positions="all", per_position=False, scale=1.0):
+    return SimpleNamespace(address=address, op=kind, positions=positions, per_position=per_position, scale=scale)
+
+
+def _taps(device, fixed):
+    taps = StaticTaps(nn.Module(), SPECS["qwen3"], (POST0, MLP1), (POST0,), 4, MAX_TOKENS,
+                      torch.device(device), torch.float32, D)
+    taps.fixed = fixed
+    return taps
+
+
+def _run(taps, x, y, fixed):
+    """Both ops of one step on copies of x: the steered x, and each tap's buffer."""
+    x = x.clone()
+    site = taps.sites[POST0]
+    if fixed:
+        steer_fixed(x, None, site.vec, site.direction, site.coef, site.slot_of)
+    else:
+        steer_rows(x, None, site.vec, site.direction, site.coef, site.rows, site.slots, site.count)
+    for tap in taps.taps.values():
+        if fixed:
+            tap_fixed(x, y, tap.buf, tap.dest)
+        else:
+            tap_rows(x, y, tap.buf, tap.rows, tap.count)
+    return x
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fixed", [False, True], ids=["rows", "fixed"])
+def test_concurrent_rows_steer_and_capture_exactly_what_each_request_asked(device, fixed):
+    g = torch.Generator().manual_seed(0)
+    v, u = torch.randn(D, generator=g), torch.randn(D, generator=g)
+    u = u / u.norm()
+    taps = _taps(device, fixed)
+    a = _request([POST0], [_op(POST0, "add")], [v.to(device)], prompt_len=3)
+    b = _request([POST0, MLP1], [_op(POST0, "ablate", positions="generated")], [u.to(device)], prompt_len=1)
+    c = _request([], [_op(POST0, "set", positions=(4,))], [3 * v.to(device)], prompt_len=5)
+    for request in (a, b, c):
+        taps.admit(request)
+    # rows 0-2: a's prompt; 3-4: padding; 5-7: b (positions 0-2, prompt 1); 8-9: c (positions 3-4)
+    positions = torch.tensor([0, 1, 2, 7, 7, 0, 1, 2, 3, 4])
+    active = [(a, 0, 3), (b, 5, 8), (c, 8, 10)]
+    x = torch.randn(10, D, generator=g).to(device)
+    for step in range(2):  # the second step keeps the same maps (nothing rewritten): same result
+        taps.fill(active, positions)
+        out = _run(taps, x, None, fixed)
+        want = x.clone()
+        want[0:3] = x[0:3] + v.to(device)
+        want[6:8] = x[6:8] - (x[6:8] @ u.to(device))[:, None] * u.to(device)
+        want[9] = 3 * v.to(device)
+        assert torch.equal(out[:3], want[:3]) and torch.equal(out[3:6], x[3:6]) and torch.equal(out[8], x[8])
+        torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6, msg=f"step {step}")
+        got = {}
+        taps.drain(lambda request, address, rows, s, e: got.__setitem__((id(request), address), (rows, s, e)))
+        assert set(got) == {(id(a), POST0), (id(b), POST0), (id(b), MLP1)}
+        for (rid, address), (rows, s, e) in got.items():
+            assert rows.device.type == "cpu" and torch.equal(rows, out[s:e].cpu()), (address, s, e)
+    # the batch changes: only b, at other rows; then nothing at all
+    taps.fill([(b, 0, 2)], torch.tensor([3, 4]))
+    out = _run(taps, x[:2], None, fixed)
+    torch.testing.assert_close(out, x[:2] - (x[:2] @ u.to(device))[:, None] * u.to(device), atol=1e-6, rtol=1e-6)
+    got = {}
+    taps.drain(lambda request, address, rows, s, e: got.__setitem__(address, rows))
+    assert set(got) == {POST0, MLP1} and torch.equal(got[MLP1], out.cpu())
+    taps.fill([], None)
+    assert taps.idle and all(int(t.count[0]) == 0 for t in taps.taps.values())
+    assert int(taps.sites[POST0].count[0]) == 0
+    if fixed:  # every row maps to the sink and to the identity slot again
+        assert all(bool((t.dest == MAX_TOKENS).all()) for t in taps.taps.values())
+        assert not bool(taps.sites[POST0].slot_of.any())
+    assert torch.equal(_run(taps, x, None, fixed), x)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fixed", [False, True], ids=["rows", "fixed"])
+def test_a_capture_survives_an_in_place_write_to_its_source(device, fixed):
+    """The tap copies inside the op: a later in-place kernel on the same tensor (vLLM's CUDA
+    fused add+RMSNorm rewrites the residual it is given) leaves the capture as it was."""
+    taps = _taps(device, fixed)
+    request = _request([POST0], [], [], prompt_len=4)
+    taps.admit(request)
+    taps.fill([(request, 0, 4)], torch.arange(4))
+    h, r = torch.randn(4, D).to(device), torch.randn(4, D).to(device)
+    want = (h + r).cpu()
+    tap = taps.taps[POST0]
+    (tap_fixed(h, r, tap.buf, tap.dest) if fixed else tap_rows(h, r, tap.buf, tap.rows, tap.count))
+    r.mul_(0.5).add_(h)  # what fused_add_rms_norm does to its residual argument
+    h.zero_()
+    got = {}
+    taps.drain(lambda req, address, rows, s, e: got.__setitem__(address, rows))
+    assert torch.equal(got[POST0], want)
