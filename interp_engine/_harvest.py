@@ -160,6 +160,9 @@ def _model_digest(model: Model) -> str:
     return hashlib.sha256(config.encode("utf-8")).hexdigest()[:16]
 
 
+_WRITE_ROWS = 64  # rows handed to the shard writer at once
+
+
 # ---- engines ------------------------------------------------------------------------------
 
 def _flat(t: torch.Tensor) -> np.ndarray:
@@ -293,15 +296,30 @@ def harvest(model: Model, prompts: Sequence[str] | str | os.PathLike,
             try:
                 if model.backend_name == "eager" and max_tokens == 0:
                     rows = _eager_prompt_rows(model, chunk, reads, batch_size)
+                    group = 1  # each item is a batch already
                 else:
                     rows = _request_rows(model, chunk, reads, gen, max_in_flight)
-                for ids, values in rows:
-                    batch = {str(a): _flat(values[a]) for a in reads}
-                    batch["token_ids"] = ids.to(torch.int32).numpy()
+                    group = _WRITE_ROWS  # one row per request: Arrow's cost is per write, so gather them
+                pending: list = []
+
+                def flush() -> None:
+                    nonlocal written
+                    if not pending:
+                        return
+                    batch = {str(a): np.concatenate([_flat(v[a]) for _, v in pending]) for a in reads}
+                    batch["token_ids"] = np.concatenate([i.to(torch.int32).numpy() for i, _ in pending])
+                    pending.clear()
                     writer.write(batch)
-                    written += len(ids)
-                    bar.update(len(ids))
+                    n = len(batch["token_ids"])
+                    written += n
+                    bar.update(n)
                     bar.set_postfix(tok_s=f"{written * context_size / (time.perf_counter() - started):.0f}")
+
+                for ids, values in rows:
+                    pending.append((ids, values))
+                    if len(pending) >= group:
+                        flush()
+                flush()
             except BaseException:
                 writer.discard()
                 raise

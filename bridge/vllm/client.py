@@ -117,6 +117,9 @@ class _Request:
     finished: bool = False
     generated: int = 0
     released: bool = False
+    # what the workers answered for this request when it finished (collected by the pump, in
+    # one rpc for every request that finished in that step), or the exception that rpc raised
+    settled: list | BaseException | None = None
 
 
 class VllmBackend:
@@ -402,6 +405,7 @@ class VllmBackend:
             except BaseException as exc:  # a failed step fails every waiting request, loudly
                 self._fail_all(exc)
                 return True
+            delivered, ended = [], []
             for out in outputs:
                 request = self._requests.get(out.request_id)
                 if request is None:
@@ -410,8 +414,26 @@ class VllmBackend:
                 if out.finished:
                     request.finished = True
                     self._requests.pop(out.request_id, None)
+                    if not request.plan.empty and not request.released:
+                        ended.append(request)
+                delivered.append((request, out))
+            if ended:
+                self._collect(llm, ended)
+            for request, out in delivered:
                 request.sink(out)
         return True
+
+    def _collect(self, llm, ended: list[_Request]) -> None:
+        """The workers' captures (or status) of every request that finished in this step, in
+        one rpc; each request is freed in the workers. Called between steps, holding _lock."""
+        items = [(r.rid, r.prompt_len + r.generated - 1 if r.capture is not None else 0) for r in ended]
+        try:
+            answers: list | BaseException = llm.collective_rpc("interp_collect_many", args=(items,))
+        except BaseException as exc:  # reported to each of these requests by _settle
+            answers = exc
+        for i, request in enumerate(ended):
+            request.released = True
+            request.settled = answers if isinstance(answers, BaseException) else [a[i] for a in answers]
 
     def _drive(self) -> None:
         """The driver thread of a multiprocess engine: pump while requests are in flight."""
@@ -457,11 +479,17 @@ class VllmBackend:
     def _settle(self, request: _Request) -> None:
         """A request that ended: fetch its captures (or just its status) and free it in the
         workers; raise if the runtime failed while serving it."""
-        if request.plan.empty or request.released:
+        if request.plan.empty:
             return
-        n = request.prompt_len + request.generated - 1 if request.capture is not None else 0
-        results = self.rpc("interp_collect", request.rid, n)
-        request.released = True
+        results = request.settled
+        if results is None:
+            if request.released:
+                return
+            n = request.prompt_len + request.generated - 1 if request.capture is not None else 0
+            results = self.rpc("interp_collect", request.rid, n)
+            request.released = True
+        elif isinstance(results, BaseException):
+            raise RuntimeError("collecting this request's captures from the vLLM workers failed") from results
         errors = [r.get("error") for r in results if r.get("found") and r.get("error")]
         if errors:
             raise RuntimeError(f"the interp_engine runtime failed for this request: {errors[0]}")
@@ -527,7 +555,10 @@ class VllmBackend:
                 if isinstance(out, BaseException):
                     raise RuntimeError("the vLLM engine step failed") from out
                 if out.finished:
-                    await loop.run_in_executor(None, self._settle, request)
+                    if request.settled is None:  # collected by the pump unless it was not
+                        await loop.run_in_executor(None, self._settle, request)
+                    else:
+                        self._settle(request)
                 for raw in self._raw_steps(out, config.n_logprobs):
                     yield raw
                 if out.finished:

@@ -45,42 +45,66 @@ _FINISHED_KEEP = 4096  # finished requests whose captures wait for their client,
 
 
 class _Buffer:
-    """One request's rows of one point: a growing CPU buffer indexed by absolute position, and
-    which positions it holds (a recomputed position keeps its last value)."""
+    """One request's rows of one point: a CPU buffer indexed by absolute position (sized for
+    the whole request when it is admitted, grown if a request outlives that), and which
+    positions it holds (a recomputed position keeps its last value). Which positions were
+    written is kept as plain ints: every position below ``covered`` is written, ``gaps`` holds
+    written spans above it (none unless rows arrive out of order)."""
 
-    __slots__ = ("data", "written", "filled")
+    __slots__ = ("data", "filled", "covered", "gaps", "hint")
 
-    def __init__(self) -> None:
+    def __init__(self, hint: int = 16) -> None:
         self.data: torch.Tensor | None = None
-        self.written: torch.Tensor | None = None
         self.filled = 0  # 1 + the highest position written
+        self.covered = 0  # positions [0, covered) are all written
+        self.gaps: list[tuple[int, int]] = []
+        self.hint = hint
 
-    def put(self, positions: torch.Tensor, rows: torch.Tensor) -> None:
-        n = positions.numel()
-        if n == 0:
-            return
-        first, last = int(positions[0]), int(positions[-1])
-        contiguous = last - first + 1 == n
-        top = last + 1 if contiguous else int(positions.max()) + 1
+    def _room(self, top: int, rows: torch.Tensor) -> None:
         if self.data is None or top > self.data.shape[0]:
-            capacity = max(top, 16) if self.data is None else max(top, 2 * self.data.shape[0])
+            capacity = max(top, self.hint) if self.data is None else max(top, 2 * self.data.shape[0])
             grown = torch.empty((capacity,) + tuple(rows.shape[1:]), dtype=rows.dtype)
-            marks = torch.zeros(capacity, dtype=torch.bool)
             if self.data is not None:
-                grown[: self.data.shape[0]] = self.data
-                marks[: self.written.shape[0]] = self.written
-            self.data, self.written = grown, marks
-        if contiguous:
-            self.data[first:top] = rows
-            self.written[first:top] = True
-        else:
-            index = positions.long()
-            self.data.index_copy_(0, index, rows)
-            self.written[index] = True
+                grown[: self.filled] = self.data[: self.filled]
+            self.data = grown
+
+    def _mark(self, first: int, top: int) -> None:
         self.filled = max(self.filled, top)
+        if first > self.covered:
+            self.gaps.append((first, top))
+            return
+        self.covered = max(self.covered, top)
+        if self.gaps:
+            self.gaps.sort()
+            left = []
+            for lo, hi in self.gaps:
+                if lo <= self.covered:
+                    self.covered = max(self.covered, hi)
+                else:
+                    left.append((lo, hi))
+            self.gaps = left
+
+    def put(self, first: int, rows: torch.Tensor) -> None:
+        """``rows`` at positions ``first, first + 1, ...`` (what one forward holds of a request)."""
+        top = first + rows.shape[0]
+        if top == first:
+            return
+        self._room(top, rows)
+        self.data[first:top] = rows
+        self._mark(first, top)
+
+    def put_at(self, positions: torch.Tensor, rows: torch.Tensor) -> None:
+        """``rows`` at arbitrary ``positions`` (int64 ``[rows]``)."""
+        if positions.numel() == 0:
+            return
+        index = positions.long()
+        self._room(int(index.max()) + 1, rows)
+        self.data.index_copy_(0, index, rows)
+        for p in sorted(set(index.tolist())):
+            self._mark(p, p + 1)
 
     def complete(self, rows: int) -> bool:
-        return self.written is not None and rows <= self.written.shape[0] and bool(self.written[:rows].all())
+        return self.data is not None and self.covered >= rows
 
 
 @dataclass(eq=False)
@@ -93,6 +117,9 @@ class _Request:
     columns: list[torch.Tensor | None] = field(default_factory=list)  # each write's selected columns
     buffers: dict[tuple, _Buffer] = field(default_factory=dict)
     error: str | None = None
+    capacity: int = 16  # positions it can reach (prompt + max_tokens): each buffer's first size
+    # its work at each hooked site, worked out once: (site, before the module?, entry without rows)
+    work: list[tuple[_Site, bool, tuple]] | None = None
 
 
 @dataclass
@@ -121,6 +148,7 @@ class Runtime:
         self.released: collections.OrderedDict[str, None] = collections.OrderedDict()  # never admit again
         self.sites: dict[str, _Site] = {}
         self.positions: torch.Tensor | None = None
+        self.pos_np = None  # the same positions as a numpy view (cheap ints in the hooks)
         self.active: list[tuple[_Request, int, int]] = []
         self.lock = threading.Lock()
         self.device = next(self.root.parameters()).device
@@ -183,6 +211,7 @@ class Runtime:
             return
         # positions is a persistent buffer vLLM rewrites every step: copy it
         self.positions = positions.detach().to("cpu", copy=True) if positions is not None else None
+        self.pos_np = self.positions.numpy() if self.positions is not None else None
         if self.static is not None:  # row maps for the compiled taps instead of hook work
             self.static.fill(self.active, self.positions)
             return
@@ -206,6 +235,8 @@ class Runtime:
         if plan is None or plan.empty or plan.rid in self.released:
             return None  # no plan, or its client already let it go (a cancel racing the scheduler)
         request = _Request(plan, int(state.num_prompt_tokens))
+        # buffers start at the request's full length (a long one grows by doubling past 256 more)
+        request.capacity = max(16, request.prompt_len + min(256, int(getattr(params, "max_tokens", 0) or 0)))
         try:
             request.vectors = [op.vector.to(self.device, self.dtype) for op in plan.writes]
             request.columns = [None if op.columns is None else torch.tensor(op.columns, device=self.device)
@@ -228,10 +259,19 @@ class Runtime:
         return self.spec.vllm[name]
 
     def _plan_rows(self, request: _Request, s: int, e: int) -> None:
+        work = request.work
+        if work is None:
+            work = request.work = self._work(request)
+        for site, pre, entry in work:
+            (site.pre if pre else site.post).append(entry + (s, e))
+
+    def _work(self, request: _Request) -> list[tuple[_Site, bool, tuple]]:
+        """What ``request`` asks of each hooked site, in plan order: writes, then reads."""
+        work = []
         for i, op in enumerate(request.plan.writes):
             tap = self._tap(op.address.name, True)
             site = self.sites[tap.module_path(op.address.layer)]
-            (site.pre if tap.source in _PRE_SOURCES else site.post).append(("w", tap.source, request, i, s, e))
+            work.append((site, tap.source in _PRE_SOURCES, ("w", tap.source, request, i)))
         if not self.store_captures:
             reads = [a for a in request.plan.reads if a.name in self.rank_shards]
         else:
@@ -239,7 +279,8 @@ class Runtime:
         for address in reads:
             tap = self._tap(address.name, False)
             site = self.sites[tap.module_path(address.layer)]
-            (site.pre if tap.source in _PRE_SOURCES else site.post).append(("r", tap.source, request, address, s, e))
+            work.append((site, tap.source in _PRE_SOURCES, ("r", tap.source, request, address)))
+        return work
 
     def _clear_sites(self) -> None:
         for site in self.sites.values():
@@ -290,10 +331,16 @@ class Runtime:
 
     def _read(self, request: _Request, address: Address, rows: torch.Tensor, s: int, e: int) -> None:
         """``rows`` (already copied to the CPU) are rows s:e of this forward."""
+        if e <= s:
+            return
         buffer = request.buffers.get(address)
         if buffer is None:
-            buffer = request.buffers[address] = _Buffer()
-        buffer.put(self.positions[s:e], rows)
+            buffer = request.buffers[address] = _Buffer(request.capacity)
+        first = int(self.pos_np[s])
+        if int(self.pos_np[e - 1]) - first + 1 == e - s:  # one forward's rows of a request: always, bar drafts
+            buffer.put(first, rows)
+        else:
+            buffer.put_at(self.positions[s:e], rows)
 
     def _apply(self, work: list, source: str, x: torch.Tensor, base: torch.Tensor | None,
                read_value: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -306,20 +353,13 @@ class Runtime:
         reads = [w for w in work if w[0] == "r" and w[1] == source and w[2].error is None]
         if reads:
             value = read_value(x)
-            spans = sorted({(s, e) for _, _, _, _, s, e in reads})
-            if len(spans) == 1:  # one copy of the rows every reader needs, then slices of it
-                lo, hi = spans[0]
-                rows, at = stored(value[lo:hi]), {spans[0]: 0}
-            else:
-                index = torch.cat([torch.arange(s, e) for s, e in spans])
-                rows = stored(value.index_select(0, index.to(value.device)))
-                at, offset = {}, 0
-                for s, e in spans:
-                    at[(s, e)] = offset
-                    offset += e - s
+            # one copy of the rows every reader needs (requests' rows are contiguous spans of
+            # the forward: copy from the first to the last), then views of it per reader
+            lo = min(w[4] for w in reads)
+            hi = max(w[5] for w in reads)
+            rows = stored(value[lo:hi])
             for _, _, request, address, s, e in reads:
-                a = at[(s, e)]
-                part = rows[a:a + e - s]
+                part = rows[s - lo:e - lo]
                 split = self._tap(address.name, False).split
                 if split is not None:  # one part of a fused output (q of qkv_proj, gate of gate_up_proj)
                     part = split.take(part, self.graph)

@@ -230,13 +230,11 @@ def _patch_runtime(module) -> None:
     buffer = module._Buffer
     put = buffer.put
 
-    def mutant_put(self, positions, rows):
-        n = positions.numel()
-        if n == 1 and self.data is not None and int(positions[0]) > 0 \
+    def mutant_put(self, first, rows):
+        if rows.shape[0] == 1 and self.data is not None and first > 0 \
                 and active("capture_stale_decode", "vllm"):
-            first = int(positions[0])
             rows = self.data[first - 1:first].clone()
-        return put(self, positions, rows)
+        return put(self, first, rows)
     buffer.put = mutant_put
 
 
