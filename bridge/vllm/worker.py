@@ -49,7 +49,7 @@ class InterpWorkerExtension:
     def interp_collect_many(self, items: list) -> list[dict]:
         """``interp_collect`` of several ``(rid, n_positions)`` at once (each released): the
         driver collects every request that finished in one step with one rpc."""
-        runtime, rank = self._interp_runtime(), _tp()[0]
+        runtime, rank = self._interp_runtime(), tp_rank_and_size()[0]
         answers = []
         for rid, n_positions in items:
             out = runtime.collect(rid, n_positions, True)
