@@ -60,6 +60,46 @@ class ModelPool:
         self._engines.clear()
 
 
+def _engine_key(item, archs: dict) -> tuple | None:
+    """The (architecture, variant) an item's parameters name, or None: a parameter that is an
+    architecture, or a tuple that starts with one ((arch, backend), (arch, dtype))."""
+    spec = getattr(item, "callspec", None)
+    for value in (spec.params.values() if spec is not None else ()):
+        if isinstance(value, str) and value in archs:
+            return archs[value], ""
+        if isinstance(value, tuple) and value and isinstance(value[0], str) and value[0] in archs:
+            return archs[value[0]], "/".join(map(str, value[1:]))
+    return None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session, config, items):
+    """Run each module's architecture-parametrised tests architecture by architecture.
+
+    pytest orders a function-scoped parametrisation test by test (each test over every
+    architecture, then the next test), which with more architectures than ``MAX_ENGINES``
+    closes and restarts every engine for every test (least-recently-used eviction of a cycle
+    longer than the pool always misses). Within a module, the items that name an architecture
+    are put back into their own slots grouped by architecture (the order inside a group kept);
+    the architectures' order alternates from module to module, so a module starts on the
+    engines the previous one left running. Items that name no architecture keep their places."""
+    from interp_engine.testing import TINY_ARCHS
+
+    by_module: dict = collections.defaultdict(list)
+    for i, item in enumerate(items):
+        by_module[item.module].append(i)
+    for n, (module, slots) in enumerate(by_module.items()):
+        rank = {a: (k if n % 2 == 0 else -k) for k, a in enumerate(TINY_ARCHS)}
+        keyed = [(i, _engine_key(items[i], rank)) for i in slots]
+        keyed = [(i, key) for i, key in keyed if key is not None]
+        if len(keyed) < 2:
+            continue
+        order = sorted(keyed, key=lambda pair: (pair[1], pair[0]))
+        moved = [items[i] for i, _ in order]
+        for (i, _), item in zip(keyed, moved):
+            items[i] = item
+
+
 @pytest.fixture(scope="session")
 def model_pool():
     pool = ModelPool()
