@@ -2,18 +2,15 @@
 Every point is checked against the HF modules in tests/bridge/test_eager_capture.py (the router
 recomputed from its input in tests/_reference.py) and eager == vLLM in
 tests/bridge/vllm/test_backend.py; here: that the selection we report is the one the experts
-apply, and routing on vLLM."""
+apply (routing on vLLM: tests/bridge/vllm/test_routing.py)."""
 
 from __future__ import annotations
 
-import importlib.util
-
-import pytest
 import torch
 import torch.nn.functional as F
 
-from interp_engine import expert_assignment, run_with_cache
-from tests._reference import PROMPT, PROMPTS
+from interp_engine import run_with_cache
+from tests._reference import PROMPT
 
 TOL = dict(rtol=1e-5, atol=1e-5)
 
@@ -40,21 +37,3 @@ def test_mlp_out_is_the_selected_experts_weighted_sum(eager_models):
                 gate, up = F.linear(x[pos], experts.gate_up_proj[e]).chunk(2, dim=-1)
                 want[pos] += w[pos, k] * F.linear(F.silu(gate) * up, experts.down_proj[e])
         torch.testing.assert_close(cache.get("mlp_out", L)[0], want.detach(), **TOL)
-
-
-@pytest.mark.vllm
-@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm not installed")
-def test_routing_on_vllm_equals_eager(model_pool):
-    eager = model_pool.get("mixtral")
-    vllm = model_pool.get("mixtral", "vllm", enable_prompt_embeds=True)
-    g = eager.graph
-    tokens = eager.to_tokens(PROMPTS[0])
-    cv = run_with_cache(vllm, tokens, [f"{n}.{L}" for n in ("router_logits", "expert_indices", "expert_weights")
-                                        for L in g.moe_layers])
-    ce = run_with_cache(eager, tokens, [f"{n}.{L}" for n in ("router_logits", "expert_indices", "expert_weights")
-                                        for L in g.moe_layers])
-    for L in g.moe_layers:
-        torch.testing.assert_close(cv.get("router_logits", L), ce.get("router_logits", L), **TOL)
-        dense_v = expert_assignment(cv, L, g.n_experts)  # the selection vLLM serves
-        torch.testing.assert_close(dense_v, expert_assignment(ce, L, g.n_experts), **TOL)
-        assert torch.equal(cv.get("expert_indices", L), ce.get("expert_indices", L))
