@@ -1,7 +1,8 @@
 """GPT-OSS: attention sinks, a biased top-k-then-softmax router, clamped-SwiGLU experts with
 biases. Every point is checked against the HF modules in tests/bridge/test_eager_capture.py (the
 router recomputed from its input in tests/_reference.py) and eager == vLLM in
-tests/bridge/vllm/test_backend.py; here: the sinks and the experts by hand (routing on vLLM: tests/bridge/vllm/test_routing.py)."""
+tests/bridge/vllm/test_backend.py; here: the sinks and the experts by hand (routing on vLLM:
+tests/bridge/vllm/test_routing.py)."""
 
 from __future__ import annotations
 
