@@ -69,7 +69,7 @@ VLLM: dict[str, list[str]] = {
     f"{L}::test_capture_never_changes_outputs[qwen3-vllm]": ["capture_writes_stream"],
     f"{L}::test_steering_at_scale_zero_is_the_identity_and_nonzero_steering_is_not[qwen3-vllm]":
         ["add_noop", "scale_ignored"],
-    f"{L}::test_lens_at_the_last_layer_equals_the_logprobs_on_vllm[qwen3]": ["capture_wrong_layer"],
+    f"{L}::test_lens_at_the_last_layer_equals_the_logprobs_on_vllm[qwen3-vllm]": ["capture_wrong_layer"],
     f"{L}::test_capture_generation_rows_are_a_forward_over_prompt_and_generated[qwen3-vllm]":
         ["capture_stale_decode"],
     f"{L}::test_deltas_join_to_the_text_and_seeded_sampling_repeats[qwen3-vllm]": ["stream_drops_last_delta"],
