@@ -144,6 +144,7 @@ def test_eager_laws_and_examples_catch_their_planted_bugs(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.vllm
+@pytest.mark.timeout(1800)  # a whole sub-session of vLLM laws, each run once per planted bug (as _run allows)
 @pytest.mark.skipif(not has_vllm, reason="vllm not installed")
 def test_vllm_laws_and_examples_catch_their_planted_bugs_in_the_workers(tmp_path):
     _run(VLLM, tmp_path)
