@@ -215,7 +215,10 @@ def _patch_runtime(module) -> None:
 
     class _Shifted:
         def __init__(self, inner) -> None:
-            self.inner, self.source = inner, inner.source
+            self.inner = inner
+
+        def __getattr__(self, name):  # everything but the layer it reads is the real tap's
+            return getattr(self.inner, name)
 
         def module_path(self, layer: int) -> str:
             return self.inner.module_path(layer - 1 if layer > 0 else layer + 1)

@@ -10,6 +10,8 @@ outcome is that of the run without a mutant; when that fails, no mutant runs.
 from __future__ import annotations
 
 import json
+import sys
+import time
 
 import pytest
 
@@ -53,6 +55,7 @@ def _under_each(item, runtest, mutants):
         record = _RESULTS.setdefault(item.nodeid, {})
         for mutant in ["none", *mutants]:
             interp_mutants.set_active(mutant)
+            start = time.perf_counter()
             try:
                 runtest()
             except pytest.skip.Exception:
@@ -68,6 +71,8 @@ def _under_each(item, runtest, mutants):
                 record[mutant] = "passed"
             finally:
                 _reset()
+                print(f"[mutant] {item.nodeid} {mutant}: {record.get(mutant, '?')[:60]} "
+                      f"({time.perf_counter() - start:.1f} s)", file=sys.stderr, flush=True)
             if record[mutant] == "skipped" and mutant == "none":
                 pytest.skip("skipped without a mutant")
     return run
