@@ -117,8 +117,12 @@ def test_backends_agree_on_every_served_point(pair):
 def test_backends_agree_on_greedy_tokens_logprobs_and_steering(pair):
     eager, vllm = pair
     static = vllm.backend_name == "vllm-static"
+    direction = torch.randn(eager.d_model, generator=torch.Generator().manual_seed(1))
 
     @bounded(vllm.backend_name)
+    # an add and an ablation every run, whatever the few drawn examples hold
+    @example(ids=[5, 9, 14, 3, 7, 11], spec=SteerSpec.add("resid_post.1", direction, scale=4.0), n=3)
+    @example(ids=[5, 9, 14, 3, 7, 11], spec=SteerSpec.ablate("resid_post.1", direction), n=3)
     @given(ids=token_ids(eager, max_size=12), spec=st.none() | steer_specs(eager, one_per_site=static),
            n=st.integers(1, 6))
     def law(ids, spec, n):
