@@ -170,7 +170,9 @@ class VllmBackend:
         # every request that arrived meanwhile together
         self._incoming: list[tuple[_Request, Any, Any]] = []
         self._driver: threading.Thread | None = None
+        self._watchdog: threading.Thread | None = None
         self._stop = False
+        self._dead = False  # the engine core died: nothing more is served (see _watch)
         self._fingerprint: str | None = None
         self._in_process: bool | None = None
         self._routing_mismatch: dict[int, str] = {}  # MoE layer -> why vLLM routes otherwise
@@ -188,6 +190,9 @@ class VllmBackend:
         return self._in_process
 
     def _engine(self):
+        if self._dead:
+            raise RuntimeError("this model's vLLM engine core died while serving (its log above says why) "
+                               "and serves nothing more: close it and load the model again")
         if self._llm is not None:
             return self._llm
         with self._lock:
@@ -239,14 +244,15 @@ class VllmBackend:
         with self._wake:
             self._stop = True
             self._wake.notify_all()
-        if self._driver is not None and self._driver is not threading.current_thread():
-            self._driver.join(timeout=30)
+        for thread in (self._driver, self._watchdog):
+            if thread is not None and thread is not threading.current_thread():
+                thread.join(timeout=30)
         with self._lock:
             self._fail_all(RuntimeError("the model was closed"))
             self._close_engine()
             self._llm = None
-        self._driver = None
-        self._stop = False
+        self._driver = self._watchdog = None
+        self._stop = self._dead = False
         self._in_process = None
         gc.collect()
 
@@ -383,6 +389,10 @@ class VllmBackend:
             if self._driver is None or not self._driver.is_alive():
                 self._driver = threading.Thread(target=self._drive, name="interp-engine-vllm-driver", daemon=True)
                 self._driver.start()
+            if self._watchdog is None or not self._watchdog.is_alive():
+                self._watchdog = threading.Thread(target=self._watch, name="interp-engine-vllm-watchdog",
+                                                  daemon=True)
+                self._watchdog.start()
             self._wake.notify_all()
 
     def _pump(self) -> bool:
@@ -447,6 +457,32 @@ class VllmBackend:
                 with self._wake:
                     self._wake.wait(timeout=0.005)
 
+    def _watch(self) -> None:
+        """The watchdog of a multiprocess engine. When its engine core process dies (a crash, the
+        OOM killer), vLLM's liveness monitor marks the client dead, but a step already waiting for
+        that core's outputs waits forever. This hands that step vLLM's own EngineDeadError, so the
+        driver fails every waiting request with it instead of hanging them."""
+        while True:
+            with self._wake:
+                self._wake.wait(timeout=0.5)
+                if self._stop:
+                    return
+            llm = self._llm
+            if llm is None or not _core_died(llm):
+                continue
+            from vllm.v1.engine.exceptions import EngineDeadError
+
+            self._dead = True
+            outputs = getattr(llm.llm_engine.engine_core, "outputs_queue", None)
+            if outputs is not None:
+                outputs.put_nowait(EngineDeadError())  # the driver's step raises it: _fail_all
+            else:
+                with self._lock:
+                    self._fail_all(EngineDeadError())
+            with self._wake:
+                self._wake.notify_all()
+            return
+
     def _fail_all(self, exc: BaseException) -> None:
         with self._wake:
             waiting = [item[0] for item in self._incoming]
@@ -472,9 +508,15 @@ class VllmBackend:
                 request.finished = True
                 self._requests.pop(request.external_id, None)
                 self._llm.llm_engine.abort_request([request.external_id])
-            if not request.released and not request.plan.empty and self._llm is not None:
+            if not request.released and not request.plan.empty and self._llm is not None and not self._dead:
                 request.released = True
                 self._llm.collective_rpc("interp_release", args=(request.rid,))
+
+    def _step_failed(self) -> RuntimeError:
+        if self._dead:
+            return RuntimeError("the vLLM engine core died while serving this request (its log above says "
+                                "why); this model serves nothing more: close it and load the model again")
+        return RuntimeError("the vLLM engine step failed")
 
     def _settle(self, request: _Request) -> None:
         """A request that ended: fetch its captures (or just its status) and free it in the
@@ -526,7 +568,7 @@ class VllmBackend:
                 if isinstance(out, _Refused):
                     raise out.exc
                 if isinstance(out, BaseException):
-                    raise RuntimeError("the vLLM engine step failed") from out
+                    raise self._step_failed() from out
                 if out.finished:
                     self._settle(request)
                 yield from self._raw_steps(out, config.n_logprobs)
@@ -553,7 +595,7 @@ class VllmBackend:
                 if isinstance(out, _Refused):
                     raise out.exc
                 if isinstance(out, BaseException):
-                    raise RuntimeError("the vLLM engine step failed") from out
+                    raise self._step_failed() from out
                 if out.finished:
                     if request.settled is None:  # collected by the pump unless it was not
                         await loop.run_in_executor(None, self._settle, request)
@@ -625,6 +667,13 @@ class VllmBackend:
     def worker_stats(self) -> list[dict]:
         """What the runtime in each worker holds (requests, hooked modules): for checks."""
         return self.rpc("interp_stats")
+
+
+def _core_died(llm) -> bool:
+    """vLLM's own mark of a dead engine core, set by its liveness monitor (AsyncLLM.errored reads
+    the same mark; LLMEngine has no public reader of it)."""
+    resources = getattr(llm.llm_engine.engine_core, "resources", None)
+    return bool(getattr(resources, "engine_dead", False))
 
 
 def _ensure_expert_group() -> None:

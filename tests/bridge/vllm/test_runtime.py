@@ -211,3 +211,46 @@ def test_tensor_parallel_two_ranks_equal_one_and_eager(model_pool, arch):
     assert_close_scaled(two.decode_residuals(run_with_cache(two, tokens, last)),
                         eager.decode_residuals(run_with_cache(eager, tokens, last)), msg="lens tp2")
     _holds_nothing(two)
+
+
+@pytest.mark.timeout(180)  # without the watchdog the request waits forever: a hang fails here
+def test_a_dead_engine_core_fails_its_request_instead_of_hanging():
+    """The engine core process dies while a request waits on it (a crash, the OOM killer): the
+    caller gets a clear error within seconds, later calls say the engine is gone and what to do,
+    and the model still closes. The core is stopped before the request and killed after it was
+    sent, so the driver's step is surely waiting on the dead core's outputs."""
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    def cores() -> set[int]:
+        found = set()
+        for child in psutil.Process().children(recursive=True):
+            try:
+                if "EngineCore" in child.name() + " ".join(child.cmdline()):
+                    found.add(child.pid)
+            except psutil.Error:
+                pass
+        return found
+
+    before = cores()
+    model = load_model(tiny_model("llama"), backend="vllm", kv_cache_memory_bytes=64 << 20)
+    try:
+        model.warmup()
+        (core,) = cores() - before
+        tokens = model.to_tokens(PROMPT)
+        os.kill(core, signal.SIGSTOP)
+        start = time.monotonic()
+        threading.Timer(1.0, os.kill, (core, signal.SIGKILL)).start()
+        with steer(model, _spec(model)), pytest.raises(RuntimeError, match="engine core died") as failed:
+            list(generate_stream(model, tokens, max_tokens=8, temperature=0.0))
+        assert time.monotonic() - start < 60
+        assert "load the model again" in str(failed.value)
+        with pytest.raises(RuntimeError, match="load the model again"):
+            run_with_cache(model, tokens, ["resid_post.0"])
+        assert not model.backend._requests
+    finally:
+        model.close()
