@@ -45,6 +45,8 @@ class ModelPool:
 
             extra = {"kv_cache_memory_bytes": self.KV_BYTES} if backend != "eager" else {}
             self._models[key] = load_model(tiny_model(arch), backend=backend, **options, **extra)
+            if backend != "eager":
+                ENGINE_STARTS[key] += 1
         if backend != "eager":
             self._engines[key] = None
             self._engines.move_to_end(key)
@@ -60,44 +62,71 @@ class ModelPool:
         self._engines.clear()
 
 
-def _engine_key(item, archs: dict) -> tuple | None:
+# (arch, backend, options) -> how many times the pool built that model's engine this session (a
+# count above 1 is a restart after eviction: printed at the end, as the first thing to check
+# when the suite slows down)
+ENGINE_STARTS: collections.Counter = collections.Counter()
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if ENGINE_STARTS:
+        again = sum(n - 1 for n in ENGINE_STARTS.values())
+        terminalreporter.write_line(f"model pool: {sum(ENGINE_STARTS.values())} vLLM engines started "
+                                    f"({len(ENGINE_STARTS)} distinct, {again} restarts after eviction)")
+
+
+def _engine_key(item, archs) -> tuple[str, str] | None:
     """The (architecture, variant) an item's parameters name, or None: a parameter that is an
     architecture, or a tuple that starts with one ((arch, backend), (arch, dtype))."""
     spec = getattr(item, "callspec", None)
     for value in (spec.params.values() if spec is not None else ()):
         if isinstance(value, str) and value in archs:
-            return archs[value], ""
+            return value, ""
         if isinstance(value, tuple) and value and isinstance(value[0], str) and value[0] in archs:
-            return archs[value[0]], "/".join(map(str, value[1:]))
+            return value[0], "/".join(map(str, value[1:]))
     return None
 
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(session, config, items):
-    """Run each module's architecture-parametrised tests architecture by architecture.
+    """Run each module's architecture-parametrised tests architecture by architecture, starting
+    with the engines the modules before it left running.
 
     pytest orders a function-scoped parametrisation test by test (each test over every
     architecture, then the next test), which with more architectures than ``MAX_ENGINES``
     closes and restarts every engine for every test (least-recently-used eviction of a cycle
     longer than the pool always misses). Within a module, the items that name an architecture
-    are put back into their own slots grouped by architecture (the order inside a group kept);
-    the architectures' order alternates from module to module, so a module starts on the
-    engines the previous one left running. Items that name no architecture keep their places."""
+    are put back into their own slots grouped by architecture (the order inside a group kept).
+    The pool is followed through the run as ordered so far: a module takes first the
+    architectures whose engines are up, least recently used first (none is evicted while they
+    run), then the others. Items that name no architecture keep their places."""
     from interp_engine.testing import TINY_ARCHS
 
+    archs = set(TINY_ARCHS)
     by_module: dict = collections.defaultdict(list)
     for i, item in enumerate(items):
         by_module[item.module].append(i)
-    for n, (module, slots) in enumerate(by_module.items()):
-        rank = {a: (k if n % 2 == 0 else -k) for k, a in enumerate(TINY_ARCHS)}
-        keyed = [(i, _engine_key(items[i], rank)) for i in slots]
+    up: collections.OrderedDict = collections.OrderedDict()  # (arch, variant) engines, oldest first
+    for module, slots in by_module.items():
+        keyed = [(i, _engine_key(items[i], archs)) for i in slots]
         keyed = [(i, key) for i, key in keyed if key is not None]
-        if len(keyed) < 2:
-            continue
-        order = sorted(keyed, key=lambda pair: (pair[1], pair[0]))
-        moved = [items[i] for i, _ in order]
-        for (i, _), item in zip(keyed, moved):
+        rank: dict[str, int] = {}
+        for arch, _ in up:
+            rank.setdefault(arch, len(rank))
+        for arch in TINY_ARCHS:
+            rank.setdefault(arch, len(rank))
+        order = sorted(keyed, key=lambda pair: (rank[pair[1][0]], pair[1][1], pair[0]))
+        moved = [(items[i], key) for i, key in order]
+        for (i, _), (item, _) in zip(keyed, moved):
             items[i] = item
+        for item, (arch, variant) in moved:  # what the pool holds after this module
+            if variant.endswith("eager") or item.get_closest_marker("vllm") is None:
+                continue
+            engine = (arch, variant or "vllm")
+            up[engine] = None
+            up.move_to_end(engine)
+            while len(up) > ModelPool.MAX_ENGINES:
+                up.popitem(last=False)
 
 
 @pytest.fixture(scope="session")
