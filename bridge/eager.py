@@ -349,7 +349,7 @@ class EagerBackend:
             scores = logits
             if banned is not None and step < config.min_tokens:  # as vLLM: stop tokens masked
                 scores = logits.index_fill(0, banned, float("-inf"))
-            token = sample_token(scores, config.temperature, generator, config.top_k, config.top_p)
+            token = sample_token(scores, config.temperature, generator, config.top_k, config.top_p, config.min_p)
             logprobs = sampled = None
             if config.n_logprobs is not None:  # raw logprobs, before any masking (vLLM's default)
                 lp = torch.log_softmax(logits, dim=-1)

@@ -268,14 +268,14 @@ def _steps(model: Model, prompt: list[int] | None, config: SamplingConfig, plan:
 
 @entry
 def generate_stream(model: Model, tokens: Tokens, max_tokens: int = 16, temperature: float = 1.0,
-                    top_k: int = 0, top_p: float = 1.0, stop_at_eos: bool = True,
+                    top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0, stop_at_eos: bool = True,
                     seed: int | None = None, n_logprobs: int | None = None) -> Iterator[GenStep]:
     """Yield a GenStep per generated token (KV cache on; ``temperature=0.0`` is greedy;
     ``seed`` makes sampling reproducible). Active ``steer`` blocks apply. Generation stops at
     EOS, after ``max_tokens``, or at the end of the model's context (max_model_len)."""
     prompt = _prompt_ids(model, tokens)
     config = _sampling(model, len(prompt), max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                       top_p=top_p, stop_at_eos=stop_at_eos, seed=seed, n_logprobs=n_logprobs)
+                       top_p=top_p, min_p=min_p, stop_at_eos=stop_at_eos, seed=seed, n_logprobs=n_logprobs)
     plan = _plan(model, None)
     _refuse(model, plan)
     return _first(_steps(model, prompt, config, plan))
@@ -297,13 +297,13 @@ def _completion(steps: list[GenStep], finish: str, n_logprobs: int | None) -> Co
 @entry
 def capture_generation(model: Model, tokens: Tokens, points: Sequence[AddressLike] | AddressLike,
                        max_tokens: int = 16, temperature: float = 1.0, top_k: int = 0,
-                       top_p: float = 1.0, stop_at_eos: bool = True, seed: int | None = None,
+                       top_p: float = 1.0, min_p: float = 0.0, stop_at_eos: bool = True, seed: int | None = None,
                        n_logprobs: int | None = None) -> tuple[Completion, Cache]:
     """Generate and capture ``points`` at prompt and generated positions in one request.
     The cache has ``len(prompt) + len(generated) - 1`` positions: the final token is never fed."""
     prompt = _prompt_ids(model, tokens)
     config = _sampling(model, len(prompt), max_tokens=max_tokens, temperature=temperature, top_k=top_k,
-                       top_p=top_p, stop_at_eos=stop_at_eos, seed=seed, n_logprobs=n_logprobs)
+                       top_p=top_p, min_p=min_p, stop_at_eos=stop_at_eos, seed=seed, n_logprobs=n_logprobs)
     plan = _plan(model, points)
     _refuse(model, plan)
     capture = model.backend.new_capture()
@@ -342,12 +342,12 @@ def _request(model: Model, token_ids: Tokens, steer_spec: SteerSpec | None, **sa
 
 @entry(model="self", name="model.generate_text")
 def _generate_text(self: Model, token_ids: Tokens, max_tokens: int = 16,
-                   temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                   temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                    stop_at_eos: bool = True, seed: int | None = None,
                    steer: SteerSpec | None = None):
     """The generated text (a coroutine). ``steer=`` applies a SteerSpec to this request only."""
     prompt, config, plan = _request(self, token_ids, steer, max_tokens=max_tokens,
-                                    temperature=temperature, top_k=top_k, top_p=top_p,
+                                    temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                     stop_at_eos=stop_at_eos, seed=seed)
 
     async def run() -> str:
@@ -358,12 +358,12 @@ def _generate_text(self: Model, token_ids: Tokens, max_tokens: int = 16,
 
 @entry(model="self", name="model.generate_stream")
 def _generate_stream(self: Model, token_ids: Tokens, max_tokens: int = 16,
-                     temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                     temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                      stop_at_eos: bool = True, seed: int | None = None,
                      steer: SteerSpec | None = None) -> AsyncIterator[str]:
     """Text deltas (an async iterator); they concatenate to exactly what ``generate_text`` returns."""
     prompt, config, plan = _request(self, token_ids, steer, max_tokens=max_tokens,
-                                    temperature=temperature, top_k=top_k, top_p=top_p,
+                                    temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                     stop_at_eos=stop_at_eos, seed=seed)
 
     async def run() -> AsyncIterator[str]:
@@ -385,13 +385,13 @@ async def _collect(model: Model, prompt, config, plan, embeds=None, capture=None
 
 @entry(model="self", name="model.generate_full")
 def _generate_full(self: Model, token_ids: Tokens, max_tokens: int = 16,
-                   temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0,
+                   temperature: float = 1.0, top_k: int = 0, top_p: float = 1.0, min_p: float = 0.0,
                    stop_at_eos: bool = True, seed: int | None = None,
                    logprobs: int | None = None, steer: SteerSpec | None = None):
     """vLLM's own RequestOutput (where vLLM is installed), with ``.text``, ``.token_ids``,
     ``.logprobs`` and ``.finish_reason`` of its single completion also on the result (a coroutine)."""
     prompt, config, plan = _request(self, token_ids, steer, max_tokens=max_tokens,
-                                    temperature=temperature, top_k=top_k, top_p=top_p,
+                                    temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                     stop_at_eos=stop_at_eos, seed=seed, n_logprobs=logprobs)
 
     async def run():
@@ -428,13 +428,13 @@ def _generate_from_embeds(self: Model, embeds: Float[torch.Tensor, "pos d_model"
 @entry(model="self", name="model.capture_generation")
 def _capture_generation(self: Model, token_ids: Tokens, points: Sequence[AddressLike] | AddressLike,
                         max_tokens: int = 16, temperature: float = 1.0, top_k: int = 0,
-                        top_p: float = 1.0, stop_at_eos: bool = True, seed: int | None = None,
+                        top_p: float = 1.0, min_p: float = 0.0, stop_at_eos: bool = True, seed: int | None = None,
                         n_logprobs: int | None = None, steer: SteerSpec | None = None):
     """The async capture method (a coroutine): generate and capture ``points`` in one request,
     alongside other requests. Returns the Completion and a plain dict keyed by Address (a string
     key is a KeyError), rows ``[1, len(prompt) + len(generated) - 1, ...]``."""
     prompt, config, plan = _request(self, token_ids, steer, max_tokens=max_tokens,
-                                    temperature=temperature, top_k=top_k, top_p=top_p,
+                                    temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                     stop_at_eos=stop_at_eos, seed=seed, n_logprobs=n_logprobs)
     plan = capture_plan(self.graph, points) | plan
     _refuse(self, plan)

@@ -29,6 +29,7 @@ class SamplingConfig:
     temperature: float = 1.0
     top_k: int = 0  # 0: no top-k filter
     top_p: float = 1.0
+    min_p: float = 0.0  # drop tokens below min_p x the most likely one's probability (0: off)
     stop_at_eos: bool = True
     seed: int | None = None
     n_logprobs: int | None = None
@@ -49,6 +50,9 @@ class SamplingConfig:
         if isinstance(self.top_p, bool) or not isinstance(self.top_p, numbers.Real) \
                 or not (0.0 < self.top_p <= 1.0):
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if isinstance(self.min_p, bool) or not isinstance(self.min_p, numbers.Real) \
+                or not (0.0 <= self.min_p <= 1.0):
+            raise ValueError(f"min_p must be in [0, 1] (0 disables it), got {self.min_p!r}")
         if not isinstance(self.stop_at_eos, bool):
             raise TypeError(f"stop_at_eos must be a bool, got {self.stop_at_eos!r}")
         if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
@@ -97,6 +101,7 @@ SAMPLING_FIELDS = {
         "temperature": ("temperature", float),
         "top_k": ("top_k", _top_k),
         "top_p": ("top_p", float),
+        "min_p": ("min_p", float),
         "seed": ("seed", lambda v: v),
         "logprobs": ("n_logprobs", lambda v: v),
         "ignore_eos": ("stop_at_eos", lambda v: not bool(v)),

@@ -1,4 +1,4 @@
-"""Seeded sampling agrees across backends: with the same seed, temperature, top_k and top_p,
+"""Seeded sampling agrees across backends: with the same seed, temperature, top_k, top_p and min_p,
 eager and a vLLM engine (CPU) draw the same tokens, on every vLLM-served tiny architecture.
 
 Eager repeats vLLM's CPU sampler (interp_engine/_sampler.py). Exact agreement cannot hold
@@ -36,6 +36,7 @@ def sampling_params():
         "temperature": st.sampled_from([0.0, 1e-6, 0.3, 0.7, 1.0, 1.6, 2.0]),
         "top_k": st.sampled_from([0, 1, 3, 20, 100]),
         "top_p": st.sampled_from([1.0, 0.95, 0.7, 0.2]),
+        "min_p": st.sampled_from([0.0, 0.0, 0.05, 0.3]),
         "seed": st.integers(0, 2**63),
     })
 
@@ -57,7 +58,8 @@ def assert_same_draws(eager, vllm, ids, params, max_tokens=8) -> None:
             temperature, race = 1.0, a.logits.double()
         else:
             temperature = max(params["temperature"], MIN_TEMPERATURE)
-            race = gumbel_scores(filter_logits(a.logits, temperature, params["top_k"], params["top_p"]), key)
+            race = gumbel_scores(filter_logits(a.logits, temperature, params["top_k"], params["top_p"],
+                                                 params.get("min_p", 0.0)), key)
         # each engine's token must win the race run on eager's logits, up to the rounding
         behind = {t: float(race.max() - race[t]) for t in (a.token_id, b.token_id)}
         assert max(behind.values()) < _LOGIT_ROUNDING / temperature, (
@@ -89,3 +91,20 @@ def test_a_seed_ignored_on_eager_breaks_the_law(model_pool, monkeypatch):
         assert_same_draws(eager, vllm, [1, 2, 3], dict(temperature=1.0, top_k=0, top_p=1.0, seed=5))
     monkeypatch.undo()
     assert_same_draws(eager, vllm, [1, 2, 3], dict(temperature=1.0, top_k=0, top_p=1.0, seed=5))
+
+
+@needs_vllm
+@pytest.mark.vllm
+def test_min_p_ignored_on_eager_breaks_the_law(model_pool, monkeypatch):
+    """The planted bug: eager's sampler drops min_p (vLLM applies it): the draws part."""
+    import bridge.eager
+
+    eager, vllm = model_pool.get("qwen3"), model_pool.get("qwen3", "vllm", enable_prompt_embeds=True)
+    params = dict(temperature=1.0, top_k=0, top_p=1.0, min_p=0.3, seed=5)
+    real = bridge.eager.sample_token
+    monkeypatch.setattr(bridge.eager, "sample_token",
+                        lambda logits, t, g, k, p, min_p=0.0: real(logits, t, g, k, p))
+    with pytest.raises(AssertionError, match="no near-tie"):
+        assert_same_draws(eager, vllm, [1, 2, 3], params)
+    monkeypatch.undo()
+    assert_same_draws(eager, vllm, [1, 2, 3], params)

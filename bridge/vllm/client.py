@@ -334,7 +334,7 @@ class VllmBackend:
 
         return SamplingParams(
             max_tokens=config.max_tokens, temperature=float(config.temperature), top_k=int(config.top_k),
-            top_p=float(config.top_p), seed=config.seed, logprobs=config.n_logprobs,
+            top_p=float(config.top_p), min_p=float(config.min_p), seed=config.seed, logprobs=config.n_logprobs,
             ignore_eos=not config.stop_at_eos, output_kind=RequestOutputKind.DELTA,
             skip_special_tokens=True, detokenize=False, stop_token_ids=list(config.stop_token_ids),
             min_tokens=config.min_tokens, extra_args=extra,

@@ -19,9 +19,9 @@ def test_honoured_fields_map_onto_the_config():
 
     got = sampling_from_params(SamplingParams(max_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=4,
                                               logprobs=2, ignore_eos=True, stop_token_ids=[5, 9],
-                                              min_tokens=2))
+                                              min_tokens=2, min_p=0.1))
     assert got == dict(max_tokens=7, temperature=0.5, top_k=3, top_p=0.9, seed=4, n_logprobs=2,
-                       stop_at_eos=False, stop_token_ids=(5, 9), min_tokens=2)
+                       stop_at_eos=False, stop_token_ids=(5, 9), min_tokens=2, min_p=0.1)
     assert sampling_from_params(SamplingParams(top_k=-1))["top_k"] == 0
     SamplingConfig(**got)
 
@@ -29,7 +29,7 @@ def test_honoured_fields_map_onto_the_config():
 @needs_vllm
 @pytest.mark.parametrize("field, value", [
     ("n", 3), ("presence_penalty", 0.5), ("frequency_penalty", 0.5), ("repetition_penalty", 1.2),
-    ("min_p", 0.1), ("stop", ["the"]), ("logit_bias", {5: 1.0}), ("allowed_token_ids", [1, 2]),
+    ("stop", ["the"]), ("logit_bias", {5: 1.0}), ("allowed_token_ids", [1, 2]),
     ("bad_words", ["cat"]), ("prompt_logprobs", 1), ("include_stop_str_in_output", True),
     ("skip_special_tokens", False), ("extra_args", {"x": 1}),
 ])
@@ -60,6 +60,7 @@ def test_other_arguments_are_refused_clearly():
     (dict(seed=2**64), r"below 2\*\*64"), (dict(stop_token_ids=(-1,)), "stop_token_ids"),
     (dict(stop_token_ids=(600,), d_vocab=512), "outside the vocabulary"),
     (dict(min_tokens=5, max_tokens=4), r"min_tokens must be an int in \[0, max_tokens=4\]"),
+    (dict(min_p=1.5), r"min_p must be in \[0, 1\]"), (dict(min_p=-0.1), "min_p"),
 ])
 def test_bad_configs_are_refused(kwargs, match):
     with pytest.raises(ValueError, match=match):
