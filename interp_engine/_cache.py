@@ -16,6 +16,32 @@ __all__ = ["Cache"]
 
 _MASK_KEY = "__attention_mask__"
 
+# positions to keep (TransformerLens's pos_slice): None keeps all; an int keeps one and drops
+# the position axis; a slice, list or tuple of ints keeps those and the axis
+PosSlice = int | slice | list | tuple | None
+
+
+def _positions(t: torch.Tensor, pos_slice: PosSlice, keepdim: bool = False) -> torch.Tensor:
+    """``t`` ``[batch, pos, ...]`` at the positions ``pos_slice`` names (``keepdim``: an int keeps
+    a length-1 position axis)."""
+    if pos_slice is None:
+        return t
+    if isinstance(pos_slice, bool) or not isinstance(pos_slice, (int, slice, list, tuple)) or (
+            isinstance(pos_slice, (list, tuple)) and not all(isinstance(i, int) and not isinstance(i, bool)
+                                                            for i in pos_slice)):
+        raise TypeError(f"pos_slice must be an int, a slice, or a list/tuple of ints, got {pos_slice!r}")
+    n = t.shape[1]
+    picks = [pos_slice] if isinstance(pos_slice, int) else pos_slice
+    if not isinstance(picks, slice):
+        bad = [i for i in picks if not -n <= i < n]
+        if bad:
+            raise IndexError(f"pos_slice {pos_slice!r} names positions {bad} outside the {n} this cache holds")
+    if isinstance(pos_slice, int):
+        return t[:, pos_slice:pos_slice + 1 or None] if keepdim else t[:, pos_slice]
+    if isinstance(pos_slice, slice):
+        return t[:, pos_slice]
+    return t[:, list(pos_slice)]
+
 
 def _dims_of(address: Address, graph: Any) -> tuple[str, ...]:
     dims = (graph.point(address.name) if graph is not None else POINTS[address.name]).dims
@@ -112,36 +138,51 @@ class Cache:
         mask = None if self.attention_mask is None else self.attention_mask.to(device)
         return Cache({a: t.to(device) for a, t in self._values.items()}, mask, self.graph)
 
-    def _n_layers(self, layer: int | None, what: str) -> int:
+    def _n_layers(self, layer: int | None, what: str, mlp_input: bool = False) -> int:
         if self.graph is None:
             raise ValueError(f"{what} needs the model's graph: use a cache the library returned, or "
                              "Cache.load(path, graph=model.graph)")
         n = self.graph.n_layers
+        top = n - 1 if mlp_input else n
+        if mlp_input and layer is None:
+            raise ValueError(f"{what}: mlp_input=True needs the layer whose MLP input you want, an int in "
+                             f"[0, {top}]")
         if layer is None:
             return n
-        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= n:
-            raise ValueError(f"{what}: layer must be an int in [0, {n}] (or None for {n}), got {layer!r}")
+        if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= top:
+            raise ValueError(f"{what}: layer must be an int in [0, {top}]"
+                             + (" with mlp_input=True" if mlp_input else f" (or None for {n})") + f", got {layer!r}")
+        if mlp_input and self.graph.residual_basis.parallel_block:
+            raise ValueError(f"{what}: mlp_input=True has no meaning on {self.graph.arch}: its attention and MLP "
+                             "read the same stream in parallel (resid_mid does not exist); leave mlp_input off")
         return layer
 
     def accumulated_resid(self, layer: int | None = None, incl_mid: bool = False, apply_ln: bool = False,
-                          return_labels: bool = False):
+                          pos_slice: PosSlice = None, mlp_input: bool = False, return_labels: bool = False):
         """The residual stream as it stands before each layer below ``layer`` (TransformerLens
         semantics): ``resid_pre.0 .. resid_pre.{layer-1}`` (with ``resid_mid`` after each when
         ``incl_mid``), and when ``layer`` is the number of layers (the default) the last
         ``resid_post`` too (before the final norm). Returns ``[component, batch, pos, d_model]``
         (and the labels with ``return_labels``). ``apply_ln=True`` normalises each entry as
-        the norm reading the stream at ``layer`` would (see ``apply_ln_to_stack``)."""
-        n = self._n_layers(layer, "accumulated_resid")
+        the norm reading the stream at ``layer`` would (see ``apply_ln_to_stack``).
+        ``mlp_input=True``: the stream as block ``layer``'s MLP reads it, so ``resid_pre.{layer}``
+        and ``resid_mid.{layer}`` come last, and apply_ln uses that MLP's input norm.
+        ``pos_slice`` keeps some positions (TransformerLens: an int drops the position axis; a
+        list, tuple or slice keeps it)."""
+        n = self._n_layers(layer, "accumulated_resid", mlp_input)
         names: list[str] = []
         for i in range(n):
             names.append(f"resid_pre.{i}")
             if incl_mid:
                 names.append(f"resid_mid.{i}")
-        if n == self.graph.n_layers:
+        if mlp_input:
+            names += [f"resid_pre.{n}", f"resid_mid.{n}"]
+        elif n == self.graph.n_layers:
             names.append(f"resid_post.{n - 1}")
-        return self._stack(names, "accumulated_resid", return_labels, n if apply_ln else None)
+        return self._stack(names, "accumulated_resid", return_labels, n if apply_ln else None, pos_slice, mlp_input)
 
-    def decompose_resid(self, layer: int | None = None, apply_ln: bool = False, return_labels: bool = False):
+    def decompose_resid(self, layer: int | None = None, mlp_input: bool = False, apply_ln: bool = False,
+                        pos_slice: PosSlice = None, return_labels: bool = False):
         """The residual stream before ``layer`` split into what wrote it (TransformerLens
         semantics): the embedding (``resid_pre.0``), then ``attn_out`` and ``mlp_out`` of every
         layer below ``layer``; on sequential-residual models they sum to ``resid_pre.{layer}``
@@ -149,12 +190,17 @@ class Cache:
         pos, d_model]`` (and the labels with ``return_labels``). ``apply_ln=True`` normalises
         each component as the norm reading the stream at ``layer`` would (see
         ``apply_ln_to_stack``): the components then sum to that norm's output less its weight
-        and bias."""
-        n = self._n_layers(layer, "decompose_resid")
+        and bias. ``mlp_input=True``: what block ``layer``'s MLP reads, so ``attn_out.{layer}``
+        comes last and apply_ln uses that MLP's input norm; ``pos_slice`` as in
+        ``accumulated_resid``."""
+        n = self._n_layers(layer, "decompose_resid", mlp_input)
         names = ["resid_pre.0"] + [f"{kind}.{i}" for i in range(n) for kind in ("attn_out", "mlp_out")]
-        return self._stack(names, "decompose_resid", return_labels, n if apply_ln else None)
+        if mlp_input:
+            names.append(f"attn_out.{n}")
+        return self._stack(names, "decompose_resid", return_labels, n if apply_ln else None, pos_slice, mlp_input)
 
-    def apply_ln_to_stack(self, stack: torch.Tensor, layer: int | None = None) -> torch.Tensor:
+    def apply_ln_to_stack(self, stack: torch.Tensor, layer: int | None = None, mlp_input: bool = False,
+                          pos_slice: PosSlice = None) -> torch.Tensor:
         """``stack`` ``[component, batch, pos, d_model]`` (pieces of the residual stream) as the
         norm that reads the stream at ``layer`` sees each piece (TransformerLens'
         ``apply_ln_to_stack``): centred on LayerNorm models, then divided by that norm's scale,
@@ -168,8 +214,11 @@ class Cache:
         TransformerLens reads the scale its ln hooks cached; this cache holds the residual
         stream itself, so the scale is recomputed from it, exactly as the norm computes it (in
         float32 for half-precision streams), with the kind and epsilon of ``graph.final_norm``
-        (every block's input norm shares them on the architectures in the registry)."""
-        n = self._n_layers(layer, "apply_ln_to_stack")
+        (every block's input norm shares them on the architectures in the registry).
+        ``mlp_input=True``: block ``layer``'s MLP input norm, on ``resid_mid.{layer}``.
+        ``pos_slice``: the positions ``stack`` holds (as ``accumulated_resid`` took them), so
+        each keeps its own scale."""
+        n = self._n_layers(layer, "apply_ln_to_stack", mlp_input)
         norm = self.graph.final_norm
         basis = self.graph.residual_basis
         if norm is None or basis.n_streams != 1 or not basis.lens_valid:
@@ -177,11 +226,14 @@ class Cache:
 
             raise CapabilityUnsupported("logit_lens", "any", detail=f"apply_ln on {self.graph.arch}: "
                                         f"{basis.describe()}" + ("" if norm else "; the final norm is unknown"))
-        source = f"resid_post.{n - 1}" if n == self.graph.n_layers else f"resid_pre.{n}"
+        if mlp_input:
+            source = f"resid_mid.{n}"
+        else:
+            source = f"resid_post.{n - 1}" if n == self.graph.n_layers else f"resid_pre.{n}"
         if source not in self:
             raise KeyError(f"apply_ln at layer {n} divides by the norm's scale over {source}, which this cache "
                            f"does not hold: capture it too, e.g. run_with_cache(model, tokens, [..., '{source}'])")
-        resid = self[source]
+        resid = _positions(self[source], pos_slice, keepdim=True)
         work = torch.float32 if resid.dtype in (torch.float16, torch.bfloat16) else resid.dtype
         resid = resid.to(work)
         if norm.kind == "layer":
@@ -189,19 +241,22 @@ class Cache:
         else:
             variance = resid.pow(2).mean(-1, keepdim=True)
         scale = (variance + norm.eps).sqrt()
+        if isinstance(pos_slice, int) and not isinstance(pos_slice, bool):
+            scale = scale.squeeze(-2)  # the stack has no position axis left
         pieces = stack.to(work)
         if norm.kind == "layer":
             pieces = pieces - pieces.mean(-1, keepdim=True)
         return (pieces / scale).to(stack.dtype)
 
-    def _stack(self, names: list[str], what: str, return_labels: bool, ln_layer: int | None = None):
+    def _stack(self, names: list[str], what: str, return_labels: bool, ln_layer: int | None = None,
+               pos_slice: PosSlice = None, mlp_input: bool = False):
         missing = [n for n in names if n not in self]
         if missing:
             raise KeyError(f"{what} needs {', '.join(missing)}, which this cache does not hold: capture "
                            f"them, for example run_with_cache(model, tokens, {sorted(set(missing))!r})")
-        stacked = torch.stack([self[n] for n in names])
+        stacked = torch.stack([_positions(self[n], pos_slice) for n in names])
         if ln_layer is not None:
-            stacked = self.apply_ln_to_stack(stacked, ln_layer)
+            stacked = self.apply_ln_to_stack(stacked, ln_layer, mlp_input, pos_slice)
         return (stacked, names) if return_labels else stacked
 
     def __reduce__(self):

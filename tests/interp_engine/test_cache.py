@@ -174,3 +174,67 @@ def test_apply_ln_below_the_last_layer_is_that_blocks_input_norm(eager_models, a
         partial.accumulated_resid(layer=2, apply_ln=True)
     with pytest.raises(KeyError, match="resid_post.2"):
         partial.apply_ln_to_stack(torch.stack([partial["resid_pre.0"]]))
+
+
+def _hf_mlp_norm(model, layer):
+    """The norm module that reads the stream before block ``layer``'s MLP, by the HF classes'
+    own forward: GPT-2's ln_2, Gemma 2's pre_feedforward_layernorm (its
+    post_attention_layernorm normalises the attention output), the others'
+    post_attention_layernorm."""
+    block = decoder_layers(model.hf)[layer]
+    for name in ("ln_2", "pre_feedforward_layernorm", "post_attention_layernorm"):
+        if hasattr(block, name):
+            return getattr(block, name)
+    raise AssertionError(type(block).__name__)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gpt2", "gemma2"])
+def test_mlp_input_is_what_that_blocks_mlp_norm_reads(eager_models, arch):
+    """``mlp_input=True`` ends the stack at resid_mid.{layer} (the accumulated stream) or
+    attn_out.{layer} (the decomposition), and apply_ln divides by the scale of that MLP's own
+    input norm: the pieces sum, through the HF module's weight and bias, to its output."""
+    model = eager_models[arch]
+    tokens = model.to_tokens(PROMPT)
+    cache = run_with_cache(model, tokens, ["resid_pre.*", "resid_mid.*", "attn_out.*", "mlp_out.*"])
+    norm = _hf_mlp_norm(model, 1)
+    weight, bias = _hf_affine(norm)
+    with torch.no_grad():
+        want = norm(cache["resid_mid.1"])
+    acc, labels = cache.accumulated_resid(layer=1, mlp_input=True, apply_ln=True, return_labels=True)
+    assert labels == ["resid_pre.0", "resid_pre.1", "resid_mid.1"]
+    torch.testing.assert_close(weight * acc[-1] + bias, want, rtol=1e-5, atol=1e-5)
+    parts, labels = cache.decompose_resid(layer=1, mlp_input=True, apply_ln=True, return_labels=True)
+    assert labels == ["resid_pre.0", "attn_out.0", "mlp_out.0", "attn_out.1"]
+    torch.testing.assert_close(weight * parts.sum(0) + bias, want, rtol=1e-4, atol=1e-4)
+    with pytest.raises(ValueError, match="mlp_input=True needs the layer"):
+        cache.accumulated_resid(mlp_input=True)
+    with pytest.raises(ValueError, match=r"layer must be an int in \[0, 2\] with mlp_input"):
+        cache.decompose_resid(layer=3, mlp_input=True)
+
+
+def test_mlp_input_is_refused_where_attention_and_mlp_run_in_parallel(eager_models):
+    model = eager_models["gpt_neox"]
+    cache = run_with_cache(model, model.to_tokens(PROMPT), ["resid_pre.*", "attn_out.*", "mlp_out.*"])
+    with pytest.raises(ValueError, match="in parallel"):
+        cache.decompose_resid(layer=1, mlp_input=True)
+
+
+@pytest.mark.parametrize("pos_slice", [-1, 2, [0, 3], (1, 2), slice(1, None, 2)])
+def test_pos_slice_keeps_those_positions_and_their_own_scales(eager_models, pos_slice):
+    """pos_slice picks positions before stacking (an int drops the axis, as in TransformerLens),
+    and apply_ln divides each kept position by its own scale: the same numbers as the full
+    stack indexed afterwards."""
+    model = eager_models["qwen3"]
+    cache = run_with_cache(model, model.to_tokens(PROMPT), ["resid_pre.*", "resid_mid.*", "resid_post.*",
+                                                             "attn_out.*", "mlp_out.*"])
+    index = (slice(None), slice(None), pos_slice if not isinstance(pos_slice, tuple) else list(pos_slice))
+    for kwargs in (dict(), dict(layer=1, mlp_input=True), dict(layer=2)):
+        for method in (cache.accumulated_resid, cache.decompose_resid):
+            full = method(apply_ln=True, **kwargs)
+            part = method(apply_ln=True, pos_slice=pos_slice, **kwargs)
+            torch.testing.assert_close(part, full[index], rtol=0, atol=0)
+            assert (part.dim() == 3) == isinstance(pos_slice, int)
+    with pytest.raises(IndexError, match="outside"):
+        cache.accumulated_resid(pos_slice=[0, 999])
+    with pytest.raises(TypeError, match="pos_slice must be"):
+        cache.accumulated_resid(pos_slice="last")
