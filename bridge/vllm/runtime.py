@@ -489,8 +489,14 @@ class Runtime:
         for address in request.plan.reads:
             buffer = request.buffers.get(address)
             rows = buffer.filled if n is None else n
-            tensors[str(address)] = (self._value(address, buffer.data[:rows]) if buffer is not None
-                                     and buffer.data is not None else torch.empty(0)).contiguous()
+            value = torch.empty(0)
+            if buffer is not None and buffer.data is not None:
+                try:
+                    value = self._value(address, buffer.data[:rows])
+                except Exception as exc:  # named in the file, never raised into vLLM's step
+                    log.exception("interp_engine runtime: %s of request %s", address, request.plan.rid)
+                    meta["error"] = meta.get("error") or f"{address}: {type(exc).__name__}: {exc}"
+            tensors[str(address)] = value.contiguous()
         path = request.plan.capture_path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
@@ -515,7 +521,13 @@ class Runtime:
                     out["error"] = (f"{address}: the worker did not see every one of the request's {rows} "
                                     "positions (prefix caching or speculative decoding may be on)")
                     break
-                out["values"][str(address)] = tensor_to_wire(self._value(address, buffer.data[:rows]))
+                try:
+                    value = self._value(address, buffer.data[:rows])
+                except Exception as exc:  # this request's error, not the rpc's (others collect on)
+                    log.exception("interp_engine runtime: %s of request %s", address, rid)
+                    out["error"] = f"{address}: {type(exc).__name__}: {exc}"
+                    break
+                out["values"][str(address)] = tensor_to_wire(value)
         if release:
             self.release(rid)
         return out
