@@ -100,3 +100,31 @@ def test_refusals_before_any_forward():
         with pytest.raises(CapabilityUnsupported, match=f"static_point.*{point}"):
             load_model(tiny_model("qwen3"), backend="vllm-static", static_points=[point])
     assert not any(p.vllm_static for p in model.points() if p.name in INTERNALS + ("pattern",))
+
+
+def test_a_kernel_the_pattern_cannot_be_rebuilt_for_is_refused_by_name():
+    """Each worker reads every layer's attention kernel when the engine starts; a kernel doing
+    what the rebuild does not (ALiBi, keys of another layer, a quantised KV cache) refuses
+    pattern at that layer before the request runs, naming why. (Fake kernel, no engine.)"""
+    from types import SimpleNamespace
+
+    from bridge.vllm.attention import mismatches
+
+    impl = SimpleNamespace(scale=0.125, alibi_slopes=[0.5] * 4, logits_soft_cap=0, sinks=None)
+    odd = SimpleNamespace(impl=impl, attn_type="decoder", sliding_window=None, kv_cache_dtype="fp8",
+                          kv_sharing_target_layer_name="model.layers.0.self_attn.attn")
+    plain = SimpleNamespace(impl=SimpleNamespace(scale=0.125), attn_type="decoder", sliding_window=None,
+                            kv_cache_dtype="auto", kv_sharing_target_layer_name=None)
+    root = SimpleNamespace(get_submodule=lambda path: odd if ".1." in path else plain)
+    found = mismatches(root, SPECS["qwen3"], [0, 1, 2])
+    assert list(found) == [1]
+    assert all(s in found[1] for s in ("ALiBi", "model.layers.0.self_attn.attn", "fp8")), found[1]
+    model = load_model(tiny_model("qwen3"), backend="vllm")  # lazy: no engine
+    backend = model.backend
+    backend._llm, backend._pattern_mismatch = object(), found  # as if started with that kernel
+    try:
+        with pytest.raises(CapabilityUnsupported, match="ALiBi") as info:
+            run_with_cache(model, model.to_tokens("Hi"), ["pattern.1"])
+        assert info.value.capability == "attention_pattern" and info.value.instead
+    finally:
+        backend._llm = None
