@@ -86,8 +86,9 @@ def test_pattern_equals_eager_and_hf_on_prompt_and_generated_rows(model_pool, hf
 
 
 def test_refusals_before_any_forward():
-    """Under tensor parallelism each rank holds a slice of the fused projection: refused, as is
-    vllm-static, whose graph taps are residual-width only; no engine starts for either."""
+    """Under tensor parallelism each rank holds a slice of the fused projection (and the queries
+    and keys of its own heads only): refused, as is vllm-static, whose graph taps are
+    residual-width only; no engine starts for either."""
     model = load_model(tiny_model("qwen3"), backend="vllm", tensor_parallel_size=2)
     tokens = model.to_tokens("Hi")
     for point, capability in (("q.0", "attention_internals"), ("v.2", "attention_internals"),
