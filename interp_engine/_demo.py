@@ -111,12 +111,19 @@ def _tour(model, args: argparse.Namespace, out: pathlib.Path) -> int:
     print(f"   greedy: {''.join(s.token_str for s in plain)!r} -> steered {''.join(s.token_str for s in steered)!r}")
 
     print("\n== 4. attention patterns, layer 0")
-    if args.backend != "eager":
+    viewer = model
+    if not any(p.name == "pattern" and p.served_by(model.backend_name) for p in model.points()):
+        from ._model import load_model
+
+        print(f"   {model.backend_name} does not serve the pattern (capability 'attention_pattern'); "
+              "drawn from the same weights on eager")
+        viewer = load_model(model.path)
+    elif args.backend != "eager":
         print("   vLLM's kernels never form attention probabilities: its worker rebuilds them from "
               "the queries and keys each attention kernel receives")
     from ._cli_attention import pattern
 
-    probs, labels = pattern(model, PROMPT, 0)
+    probs, labels = pattern(viewer, PROMPT, 0)
     attention_file = attention_png(out / "attention.png", probs, labels,
                                    f"attention at layer 0: {PROMPT!r}")
     print(f"\n== pictures: {lens_file} (logit lens), {attention_file} (attention, layer 0)")
