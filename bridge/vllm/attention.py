@@ -37,6 +37,8 @@ def _differences(layer: Any) -> list[str]:
     impl = getattr(layer, "impl", None)
     if impl is None or not hasattr(impl, "scale"):
         return [f"its attention module ({type(layer).__name__}) is not vLLM's Attention layer"]
+    if getattr(layer, "has_sink", False) and getattr(impl, "sinks", None) is None:
+        found.append(f"its kernel ({type(impl).__name__}) applies attention sinks it does not expose")
     if getattr(impl, "alibi_slopes", None) is not None:
         found.append("the kernel adds ALiBi biases")
     kind = getattr(layer, "attn_type", "decoder")
