@@ -77,8 +77,12 @@ CAPABILITIES = MappingProxyType(
                "on one rank (tensor_parallel_size=1); vllm-static compiles residual-width taps only",
                "use backend='vllm' with tensor_parallel_size=1, or backend='eager'", _HOOKS),
             _c("attention_pattern",
-               "vLLM's paged attention kernels never form the attention probability matrix",
-               "use backend='eager'", _EAGER),
+               "vLLM's paged attention kernels never form the attention probability matrix; its "
+               "hook runtime rebuilds it from the queries and keys each attention kernel receives "
+               "(after rotary embedding) with that kernel's own scale, sliding window, soft-cap "
+               "and sinks, which needs every head on one rank (tensor_parallel_size=1); "
+               "vllm-static compiles residual-width taps only",
+               "use backend='vllm' with tensor_parallel_size=1, or backend='eager'", _HOOKS),
             _c("mlp_internals",
                "vLLM computes the gate and up projections in one fused gate_up projection; its "
                "hook runtime reads mlp_pre as the gate part of that output and mlp_act at "

@@ -1,5 +1,6 @@
 """The attention patterns of one layer for one prompt, one panel per head (query position by
-key position). The pattern point is served by the eager backend only."""
+key position). Served by eager and by the hook-based vLLM backend (rebuilt in the worker from
+the queries and keys its attention kernels receive)."""
 
 from __future__ import annotations
 

@@ -112,12 +112,15 @@ def _tour(model, args: argparse.Namespace, out: pathlib.Path) -> int:
 
     print("\n== 4. attention patterns, layer 0")
     viewer = model
-    if args.backend != "eager":
+    if not any(p.name == "pattern" and p.served_by(model.backend_name) for p in model.points()):
         from ._model import load_model
 
-        print("   vLLM never forms attention probabilities (capability 'attention_pattern'); "
+        print(f"   {model.backend_name} does not serve the pattern (capability 'attention_pattern'); "
               "drawn from the same weights on eager")
         viewer = load_model(model.path)
+    elif args.backend != "eager":
+        print("   vLLM's kernels never form attention probabilities: its worker rebuilds them from "
+              "the queries and keys each attention kernel receives")
     from ._cli_attention import pattern
 
     probs, labels = pattern(viewer, PROMPT, 0)

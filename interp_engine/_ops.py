@@ -14,8 +14,8 @@ from typing import Callable, NamedTuple
 
 import torch
 
-__all__ = ["AFFINE", "OP_MATH", "Selection", "apply_write", "effective_vector", "reshape_point",
-           "route", "select_rows", "selector_columns", "stored"]
+__all__ = ["AFFINE", "OP_MATH", "Selection", "apply_write", "attention_pattern", "effective_vector",
+           "reshape_point", "route", "select_rows", "selector_columns", "stored"]
 
 
 class Selection(NamedTuple):
@@ -180,6 +180,35 @@ def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Te
     else:
         weights = (values - torch.logsumexp(logits.float(), dim=-1, keepdim=True)).exp()
     return weights, indices
+
+
+def attention_pattern(q: torch.Tensor, k: torch.Tensor, *, scale: float, window: int | None = None,
+                      softcap: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """The attention probabilities of one sequence, ``[n_heads, pos, key_pos]``, from its queries
+    ``q`` ``[pos, n_heads, d_head]`` and keys ``k`` ``[pos, n_kv_heads, d_head]`` as the attention
+    kernel receives them (after rotary embedding), position ``i`` at row ``i``. The pattern point's
+    definition, for every architecture: scores ``q . k * scale`` (query head ``h`` reads KV head
+    ``h // (n_heads / n_kv_heads)``), soft-capped as ``softcap * tanh(s / softcap)``, causal (key
+    ``j <= i``) and within ``window`` keys when given (``i - j < window``); softmax in float32 over
+    the keys, with one learned logit per head (``sinks``, ``[n_heads]``) joining the denominator
+    where the model has attention sinks (its share is dropped: such a row sums to less than 1).
+    Masked keys get probability 0. Returned in ``q``'s dtype."""
+    n, n_heads, _ = q.shape
+    groups = n_heads // k.shape[1]
+    kk = k.float().repeat_interleave(groups, dim=1)  # [keys, n_heads, d_head]
+    scores = torch.einsum("qhd,khd->hqk", q.float(), kk) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
+    i = torch.arange(n, device=q.device)[:, None]
+    j = torch.arange(k.shape[0], device=q.device)[None, :]
+    allowed = j <= i
+    if window is not None:
+        allowed = allowed & (i - j < window)
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is None:
+        return torch.softmax(scores, dim=-1).to(q.dtype)
+    sink = sinks.float().reshape(n_heads, 1, 1).expand(n_heads, n, 1)
+    return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1].to(q.dtype)
 
 
 def stored(t: torch.Tensor) -> torch.Tensor:

@@ -108,7 +108,7 @@ POINTS = MappingProxyType(
                True, True, False),
             _p("pattern", ("batch", "n_heads", "pos", "key_pos"),
                "attention probabilities (query position by key position) per head",
-               True, False, False, capability="attention_pattern"),
+               True, True, False, capability="attention_pattern"),
             _p("mlp_pre", ("batch", "pos", "d_mlp"),
                "MLP gate pre-activation (gate_proj output)",
                True, True, False, capability="mlp_internals", kind="mlp"),

@@ -58,6 +58,9 @@ class VllmTap:
     ``path`` outputs, with the spec's ``routing`` rule: vLLM never returns its own).
     ``heads_out`` (read only: the ``[tokens, heads, d_head]`` output of a per-head module such
     as Qwen3's ``q_norm``, one row per token).
+    ``attn_qk`` (read only: ``pattern``): the query and key inputs of vLLM's ``Attention``
+    module at ``path`` (after rotary embedding), kept per request; the worker rebuilds the
+    probabilities from them with the kernel's own scale, window, soft-cap and sinks.
     Rows are flat tokens; ``split`` (read only) takes one part of a fused output (q of
     ``qkv_proj``, the gate of ``gate_up_proj``) in the worker, before the rows leave it;
     ``post`` ``heads`` splits the last dim into heads.
@@ -295,6 +298,8 @@ COMMON_VLLM = MappingProxyType({
     "v": VllmTap("module_out", LAYER + ".self_attn.qkv_proj", "kv_heads", split=Split(QKV_PARTS, 2)),
     "mlp_pre": VllmTap("module_out", LAYER + ".mlp.gate_up_proj", split=Split(GATE_UP_PARTS, 0)),
     "mlp_act": VllmTap("module_in", LAYER + ".mlp.down_proj", sharded=True),
+    # vLLM's attention kernel module, called with q and k after rotary embedding
+    "pattern": VllmTap("attn_qk", LAYER + ".self_attn.attn"),
 })
 # Architectures with per-head q/k norms (Qwen3, Gemma 3): vLLM applies them to
 # [tokens, heads, d_head] views of qkv_proj's parts before rotary embedding, as eager does.
@@ -335,6 +340,7 @@ def merged(base: Mapping, **changes) -> Mapping:
 
 _TRANSFORMERS_SOURCES = {"in": "module_in", "out": "module_out", "out0": "module_out"}
 _TRANSFORMERS_ROOT = "model"  # where vLLM's Transformers backend keeps the HF base model
+_TRANSFORMERS_ATTN = "attn"  # the attribute of each HF attention module holding vLLM's Attention
 
 
 def _rebase(path: str, hf_base: str) -> str:
@@ -351,10 +357,15 @@ def transformers_backend_taps(eager: Mapping[str, Tap], hf_base: str) -> Mapping
     module input edits the tensor in place on vLLM, so a block that keeps that tensor as its
     residual (``residual = h; h = mlp(h)``) sees it on both paths, as eager's resid_mid does.
     A part of a fused output (GPT-NeoX's query_key_value) is taken in the worker, as eager does.
-    Where vLLM's fusers merge HF projections, the spec's ``vllm_fused`` replaces these taps."""
+    Where vLLM's fusers merge HF projections, the spec's ``vllm_fused`` replaces these taps.
+    ``pattern`` is read at the ``Attention`` module the backend attaches to each HF attention
+    module (``.attn``), which its attention function calls with q and k after rotary."""
     out = {}
     for name, tap in eager.items():
         point = POINTS[name]
+        if name == "pattern" and point.vllm:  # the backend's Attention module, set on the HF one
+            out[name] = VllmTap("attn_qk", _rebase(tap.path, hf_base) + "." + _TRANSFORMERS_ATTN)
+            continue
         if not point.vllm or tap.how not in _TRANSFORMERS_SOURCES:
             continue
         out[name] = VllmTap(_TRANSFORMERS_SOURCES[tap.how], _rebase(tap.path, hf_base), tap.post,

@@ -65,6 +65,7 @@ SPEC = ArchSpec(
         "v": VllmTap("module_out", H + ".attn.c_attn", "kv_heads", split=Split(QKV_PARTS, 2)),
         "mlp_pre": VllmTap("module_out", H + ".mlp.c_fc"),
         "mlp_act": VllmTap("module_in", H + ".mlp.c_proj", sharded=True),
+        "pattern": VllmTap("attn_qk", H + ".attn.attn"),
     },
     vllm_final_norm_path="transformer.ln_f",
 )

@@ -58,6 +58,7 @@ SPEC = ArchSpec(
         q=VllmTap("module_out", _QKV, "heads", split=Split(QKV_PARTS, 0)),
         k=VllmTap("module_out", _QKV, "kv_heads", split=Split(QKV_PARTS, 1)),
         v=VllmTap("module_out", _QKV, "kv_heads", split=Split(QKV_PARTS, 2)),
+        pattern=VllmTap("attn_qk", LAYER + ".attn.attn"),  # the kernel applies the sinks
         router_logits=VllmTap("module_out", LAYER + ".mlp.router"),
         expert_weights=VllmTap("route_weights", LAYER + ".mlp.router"),
         expert_indices=VllmTap("route_indices", LAYER + ".mlp.router"),

@@ -4,7 +4,8 @@
 The bugs live in tests/mutant_site/interp_mutants.py: the op math (add a no-op, ablate the
 identity, set ignoring its positions, a scaled add, scale ignored), the position selection (off
 by one), the capture copy (scaled, from the neighbouring layer, written back into the stream,
-stale at decode steps), the steering context, and the data transforms. A subprocess runs the
+stale at decode steps), the steering context, the data transforms, and vLLM's rebuilt attention
+pattern (no causal mask, no soft-cap, tiled GQA heads, a window one key too wide, no sinks). A subprocess runs the
 tests below with that folder on PYTHONPATH, so its sitecustomize installs the wrappers in the
 pytest process and in vLLM's engine and worker processes; the mutant_plugin runs each test as
 written and then under each of its mutants (one engine for all runs) and reports the outcomes.
@@ -83,6 +84,11 @@ VLLM: dict[str, list[str]] = {
     f"{S}::test_from_embeddings_page": ["embed_scaled"],
     "tests/bridge/vllm/test_routing.py::test_selection_equals_eager_at_prompt_and_generated_positions[qwen3_moe]":
         ["route_not_renormalised", "route_unsorted"],
+    # Gemma 2 has GQA, a window shorter than the prompt and soft-capping; GPT-OSS has the sinks
+    "tests/bridge/vllm/test_internals.py::test_pattern_equals_eager_and_hf_on_prompt_and_generated_rows[gemma2]":
+        ["pattern_no_causal_mask", "pattern_no_softcap", "pattern_gqa_tiled", "pattern_window_off_by_one"],
+    "tests/bridge/vllm/test_internals.py::test_pattern_equals_eager_and_hf_on_prompt_and_generated_rows[gpt_oss]":
+        ["pattern_sinks_dropped"],
 }
 
 

@@ -229,8 +229,8 @@ def test_capabilities_page(model_pool):
         vmodel = model_pool.get("qwen3", "vllm", enable_prompt_embeds=True)
         assert vmodel.hooks_available and not vmodel.graph_replay and vmodel.static_points == ()
         with pytest.raises(CapabilityUnsupported) as info:
-            run_with_cache(vmodel, vmodel.to_tokens("Hi"), ["pattern.1"])
-        assert "pattern" in str(info.value) and info.value.instead
+            run_with_cache(vmodel, vmodel.to_tokens("Hi"), ["resid_post.1"], return_logits=True)
+        assert "logits_in_stream" in str(info.value) and info.value.instead
 
 
 # ---- generation.md ----------------------------------------------------------------------

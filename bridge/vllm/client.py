@@ -176,6 +176,7 @@ class VllmBackend:
         self._fingerprint: str | None = None
         self._in_process: bool | None = None
         self._routing_mismatch: dict[int, str] = {}  # MoE layer -> why vLLM routes otherwise
+        self._pattern_mismatch: dict[int, str] = {}  # layer -> why its kernel's pattern cannot be rebuilt
 
     # ---- engine -----------------------------------------------------------------------
     def warmup(self) -> None:
@@ -232,6 +233,7 @@ class VllmBackend:
             infos = llm.collective_rpc("interp_install")
             self.world = len(infos)
             self._routing_mismatch = {int(k): v for k, v in (infos[0].get("routing_mismatch") or {}).items()}
+            self._pattern_mismatch = {int(k): v for k, v in (infos[0].get("pattern_mismatch") or {}).items()}
             self._llm = llm
         return self._llm
 
@@ -289,6 +291,17 @@ class VllmBackend:
                 found = self._routing_refusal(address)
                 if found is not None:
                     return found
+            if address.name == "pattern" and self.tensor_parallel_size > 1:
+                return CapabilityUnsupported(
+                    "attention_pattern", self.name,
+                    detail=f"point {address} with tensor_parallel_size={self.tensor_parallel_size}",
+                    why="each rank runs attention for its own heads only, and the pattern is rebuilt from "
+                        "the queries and keys of the rank that holds them; they are not gathered",
+                    instead="load with tensor_parallel_size=1, or use backend='eager'")
+            if address.name == "pattern":
+                found = self._pattern_refusal(address)
+                if found is not None:
+                    return found
             if address.name in _FUSED_WRITES and self.tensor_parallel_size > 1:
                 return CapabilityUnsupported(
                     point.capability or "vllm_architecture", self.name,
@@ -327,6 +340,20 @@ class VllmBackend:
                                      why=why + ", so a selection recomputed with the model's rule "
                                      "would not be the one vLLM applied")
 
+    def _pattern_refusal(self, address: Address) -> CapabilityUnsupported | None:
+        """The pattern is rebuilt from the kernel's inputs with its own parameters: refused at a
+        layer whose kernel (read when the engine starts) computes something else. Answered once
+        the engine runs (asking never starts one: ``points`` reads configuration only); a
+        request reading it is checked again when it is added, before its forward."""
+        if self._llm is None:
+            return None
+        why = self._pattern_mismatch.get(address.layer)
+        if why is None:
+            return None
+        return CapabilityUnsupported("attention_pattern", self.name, detail=f"point {address}",
+                                     why=why + ", so probabilities rebuilt from its queries and keys "
+                                     "would not be the ones vLLM applied", instead="use backend='eager'")
+
     # ---- requests -----------------------------------------------------------------------
     def _sampling_params(self, config: SamplingConfig, extra: dict | None):
         from vllm import SamplingParams
@@ -343,6 +370,9 @@ class VllmBackend:
     def _add(self, prompt: list[int] | None, config: SamplingConfig, plan: Plan, capture: _Capture | None,
              sink: Callable[[Any], None], embeds: torch.Tensor | None = None) -> _Request:
         llm = self._engine()
+        for address in plan.reads:
+            if address.name == "pattern" and (refused := self._pattern_refusal(address)) is not None:
+                raise refused
         if embeds is not None:
             if not self.prompt_embeds:
                 raise ValueError("prompt embeds are off: load_model(..., enable_prompt_embeds=True)")

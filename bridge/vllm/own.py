@@ -80,7 +80,8 @@ class WireRequest:
 
     def captures(self, results: Sequence[Mapping]) -> dict[Address, torch.Tensor]:
         """Rows ``[1, positions, ...]`` per captured point (every position the engine ran for
-        this request), from the workers' ``interp_collect`` answers."""
+        this request; ``pattern`` as ``[1, n_heads, positions, positions]``), from the workers'
+        ``interp_collect`` answers."""
         found = [r for r in results if r.get("found")]
         if not found:
             raise KeyError(f"no worker holds captures for request {self.rid!r}: was it sent with "

@@ -14,6 +14,10 @@ client gets it with the captures) and the other requests in the batch go on.
 vLLM fuses add + RMSNorm, so a decoder layer returns ``(h, r)`` with resid_post = h + r,
 resid_mid = r, mlp_out = h, and takes ``(positions, hidden, residual)`` with
 resid_pre = hidden + residual (hidden alone at layer 0).
+
+``pattern`` is never formed by vLLM's kernels: the runtime keeps each request's rows of the
+attention kernel's inputs (q | k after rotary embedding) and rebuilds the probabilities from all
+of them when the request's captures leave (``attention.pattern_from_rows``).
 """
 
 from __future__ import annotations
@@ -39,7 +43,7 @@ __all__ = ["Runtime"]
 log = logging.getLogger("interp_engine.vllm")
 
 # what the layer / module hooks read or write, by tap source
-_PRE_SOURCES = ("layer_in", "fused_in_sum", "module_in")
+_PRE_SOURCES = ("layer_in", "fused_in_sum", "module_in", "attn_qk")
 _ROUTE_SOURCES = frozenset({"route_weights", "route_indices"})
 _FINISHED_KEEP = 4096  # finished requests whose captures wait for their client, at most
 
@@ -120,6 +124,26 @@ class _Request:
     capacity: int = 16  # positions it can reach (prompt + max_tokens): each buffer's first size
     # its work at each hooked site, worked out once: (site, before the module?, entry without rows)
     work: list[tuple[_Site, bool, tuple]] | None = None
+
+
+class _Wrapped:
+    """A module whose ``forward`` runs ``pre(module, args, kwargs)`` first (its returned
+    ``(args, kwargs)``, if any, replace the call's); ``remove`` restores the class's own."""
+
+    def __init__(self, module: nn.Module, pre: Callable) -> None:
+        self.module = module
+        original = module.forward
+
+        def forward(*args, **kwargs):
+            changed = pre(module, args, kwargs)
+            if changed is not None:
+                args, kwargs = changed
+            return original(*args, **kwargs)
+
+        module.forward = forward
+
+    def remove(self) -> None:
+        self.module.__dict__.pop("forward", None)
 
 
 @dataclass
@@ -245,7 +269,8 @@ class Runtime:
                 self.static.admit(request)
                 plan = WirePlan(plan.rid, (), ())  # nothing for hooks below
             for address in plan.reads:
-                self._site(self._tap(address.name, False).module_path(address.layer))
+                tap = self._tap(address.name, False)
+                self._site(tap.module_path(address.layer), wrap=tap.source == "attn_qk")
             for op in plan.writes:
                 self._site(self._tap(op.address.name, True).module_path(op.address.layer))
         except Exception as exc:
@@ -290,13 +315,19 @@ class Runtime:
                 site.post = []
 
     # ---- hooks: installed once per module, on first use ---------------------------------
-    def _site(self, path: str) -> _Site:
+    def _site(self, path: str, wrap: bool = False) -> _Site:
+        """``wrap``: run the site's pre work from a wrapper of the module's ``forward`` instead of
+        hooks (vLLM's Transformers backend calls its Attention modules' ``forward`` directly, past
+        any hook)."""
         site = self.sites.get(path)
         if site is None:
             module = self.root.get_submodule(path)
             site = self.sites[path] = _Site(module)
-            site.handles.append(module.register_forward_pre_hook(self._pre_hook(site), with_kwargs=True))
-            site.handles.append(module.register_forward_hook(self._post_hook(site)))
+            if wrap:
+                site.handles.append(_Wrapped(module, self._pre_hook(site)))
+            else:
+                site.handles.append(module.register_forward_pre_hook(self._pre_hook(site), with_kwargs=True))
+                site.handles.append(module.register_forward_hook(self._post_hook(site)))
         return site
 
     def _pre_hook(self, site: _Site) -> Callable:
@@ -385,6 +416,11 @@ class Runtime:
         if "fused_in_sum" in sources:  # norm(x, residual): the point is x + residual
             x, residual = args[0], args[1] if len(args) > 1 else kwargs.get("residual")
             args[0] = self._apply(work, "fused_in_sum", x, residual, lambda v: v + residual)
+        if "attn_qk" in sources:  # read only: the attention kernel's (query, key, value), flat per token
+            q = args[0] if args else kwargs["query"]
+            k = args[1] if len(args) > 1 else kwargs["key"]
+            qk = torch.cat([q.reshape(q.shape[0], -1), k.reshape(k.shape[0], -1)], dim=-1)
+            self._apply(work, "attn_qk", qk, None, lambda v: v)
         if "module_in" in sources:
             first = args[0] if args else next(iter(kwargs.values()))
             flat = first.reshape(-1, first.shape[-1])  # rows (the Transformers backend adds a batch dim)
@@ -453,8 +489,14 @@ class Runtime:
         for address in request.plan.reads:
             buffer = request.buffers.get(address)
             rows = buffer.filled if n is None else n
-            tensors[str(address)] = (buffer.data[:rows] if buffer is not None and buffer.data is not None
-                                     else torch.empty(0)).contiguous()
+            value = torch.empty(0)
+            if buffer is not None and buffer.data is not None:
+                try:
+                    value = self._value(address, buffer.data[:rows])
+                except Exception as exc:  # named in the file, never raised into vLLM's step
+                    log.exception("interp_engine runtime: %s of request %s", address, request.plan.rid)
+                    meta["error"] = meta.get("error") or f"{address}: {type(exc).__name__}: {exc}"
+            tensors[str(address)] = value.contiguous()
         path = request.plan.capture_path
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         tmp = f"{path}.tmp{os.getpid()}"
@@ -479,10 +521,26 @@ class Runtime:
                     out["error"] = (f"{address}: the worker did not see every one of the request's {rows} "
                                     "positions (prefix caching or speculative decoding may be on)")
                     break
-                out["values"][str(address)] = tensor_to_wire(buffer.data[:rows])
+                try:
+                    value = self._value(address, buffer.data[:rows])
+                except Exception as exc:  # this request's error, not the rpc's (others collect on)
+                    log.exception("interp_engine runtime: %s of request %s", address, rid)
+                    out["error"] = f"{address}: {type(exc).__name__}: {exc}"
+                    break
+                out["values"][str(address)] = tensor_to_wire(value)
         if release:
             self.release(rid)
         return out
+
+    def _value(self, address: Address, rows: torch.Tensor) -> torch.Tensor:
+        """What leaves the worker of a request's rows at ``address``: the rows themselves, or the
+        pattern rebuilt from the attention kernel's q | k rows (``[n_heads, pos, key_pos]``)."""
+        tap = self.spec.vllm[address.name]
+        if tap.source != "attn_qk":
+            return rows
+        from .attention import pattern_from_rows
+
+        return pattern_from_rows(self.sites[tap.module_path(address.layer)].module, rows)
 
     def flush(self, rid: str) -> bool:
         """Write the captures of ``rid`` to its capture_path now (the server calls this once the

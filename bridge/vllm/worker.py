@@ -30,6 +30,14 @@ def _routing_mismatch(runtime) -> dict[str, str]:
                                                           layers).items()}
 
 
+def _pattern_mismatch(runtime) -> dict[str, str]:
+    """Layers whose attention kernel the pattern cannot be rebuilt for, with why (attention.py)."""
+    from .attention import mismatches
+
+    layers = list(range(runtime.graph.n_layers))
+    return {str(layer): why for layer, why in mismatches(runtime.root, runtime.spec, layers).items()}
+
+
 class InterpWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
@@ -39,7 +47,8 @@ class InterpWorkerExtension:
     def interp_install(self) -> dict:
         runtime = install_runtime(self.model_runner)
         rank, world = tp_rank_and_size()
-        return {"rank": rank, "world": world, "routing_mismatch": _routing_mismatch(runtime)}
+        return {"rank": rank, "world": world, "routing_mismatch": _routing_mismatch(runtime),
+                "pattern_mismatch": _pattern_mismatch(runtime)}
 
     def interp_collect(self, rid: str, n_positions: int | None, release: bool = True) -> dict:
         out = self._interp_runtime().collect(rid, n_positions, release)

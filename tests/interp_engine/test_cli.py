@@ -133,7 +133,11 @@ def test_points_names_what_each_backend_refuses(capsys):
     assert main(["points", "--model", "tiny:qwen3", "--backend", "vllm"]) == 0
     vllm = capsys.readouterr().out
     line = next(x for x in vllm.splitlines() if x.strip().startswith("pattern "))
-    assert "refused: attention_pattern" in line and "Instead" in line
+    assert line.rstrip().endswith("served")  # rebuilt in the worker from the kernel's q and k
+    assert main(["points", "--model", "tiny:qwen3", "--backend", "vllm-static"]) == 0
+    static = capsys.readouterr().out
+    line = next(x for x in static.splitlines() if x.strip().startswith("pattern "))
+    assert "refused: static_point" in line and "Instead" in line
 
 
 def test_serve_prints_vllms_server_with_the_runtime_and_passes_options_after_the_separator(capsys, tmp_path):

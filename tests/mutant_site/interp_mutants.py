@@ -53,6 +53,12 @@ MUTANTS = {
     "embed_scaled": "model.embed returns 1.5 x the input embeddings",
     "route_not_renormalised": "vLLM's recomputed expert weights skip the renormalisation over the top k",
     "route_unsorted": "vLLM's recomputed selection lists the top k worst first",
+    # vLLM's pattern, rebuilt in the worker from the attention kernel's q and k
+    "pattern_no_causal_mask": "the rebuilt pattern lets each query attend to later keys",
+    "pattern_no_softcap": "the rebuilt pattern skips the logit soft-cap",
+    "pattern_gqa_tiled": "the rebuilt pattern gives query head h the KV head h % n_kv_heads",
+    "pattern_window_off_by_one": "the rebuilt pattern keeps one key more than the sliding window",
+    "pattern_sinks_dropped": "the rebuilt pattern leaves the attention sinks out of the softmax",
 }
 
 SIDED = {"add_noop", "ablate_identity", "set_ignores_positions", "add_scaled", "write_noop",
@@ -241,6 +247,27 @@ def _patch_runtime(module) -> None:
     buffer.put = mutant_put
 
 
+def _patch_attention(module) -> None:
+    import torch
+
+    attention_pattern = module.attention_pattern
+
+    def mutant_attention_pattern(q, k, *, scale, window=None, softcap=None, sinks=None):
+        if active("pattern_no_causal_mask"):
+            kk = k.float().repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+            return torch.softmax(torch.einsum("qhd,khd->hqk", q.float(), kk) * scale, -1).to(q.dtype)
+        if active("pattern_no_softcap"):
+            softcap = None
+        if active("pattern_gqa_tiled"):
+            k = k.repeat(1, q.shape[1] // k.shape[1], 1)
+        if active("pattern_window_off_by_one") and window is not None:
+            window = window + 1
+        if active("pattern_sinks_dropped"):
+            sinks = None
+        return attention_pattern(q, k, scale=scale, window=window, softcap=softcap, sinks=sinks)
+    module.attention_pattern = mutant_attention_pattern
+
+
 def _patch_wire(module) -> None:
     effective = module._effective
 
@@ -381,6 +408,7 @@ PATCHES = {
     "bridge._hooks": _patch_hooks,
     "bridge.eager": _patch_eager,
     "bridge.vllm.runtime": _patch_runtime,
+    "bridge.vllm.attention": _patch_attention,
     "bridge.vllm.wire": _patch_wire,
     "bridge.vllm.client": _patch_client,
 }

@@ -209,11 +209,6 @@ def test_refusals_before_any_forward():
     assert model.hooks_available and not model.graph_replay
     assert model.static_points == () and model.static_writes == ()
     assert not model.grad_support.through_forward
-    for point, capability in (("pattern.0", "attention_pattern"),):
-        with pytest.raises(CapabilityUnsupported) as info:
-            run_with_cache(model, tokens, [point])
-        assert info.value.capability == capability and info.value.backend == "vllm"
-        assert info.value.instead
     with pytest.raises(CapabilityUnsupported, match="batched_prompts"):
         run_with_cache(model, model.tok.to_tokens(["a b", "c"]), ["resid_post.0"])
     with pytest.raises(CapabilityUnsupported, match="gradients"):

@@ -3,18 +3,22 @@ fused qkv projection, or the per-head q/k norms' outputs where the model has the
 (the gate part of the fused gate_up projection; GPT-2's and GPT-NeoX's unfused first MLP
 layer), next to mlp_act (down_proj's input). Every architecture of the registry that vLLM runs,
 every layer, against eager's capture and against the hand-written HF references, fp32 to 1e-5
-of scale. Where vLLM cannot serve a point exactly, the refusal comes before any forward."""
+of scale. And pattern, which vLLM's kernels never form: rebuilt in the worker from the queries
+and keys each attention kernel receives, against eager and HF's own attention probabilities,
+on a prompt and on generated rows. Where vLLM cannot serve a point exactly, the refusal comes
+before any forward."""
 
 from __future__ import annotations
 
 import importlib.util
 
 import pytest
+import torch
 
-from interp_engine import Address, CapabilityUnsupported, load_model, run_with_cache
+from interp_engine import Address, CapabilityUnsupported, capture_generation, load_model, run_with_cache
 from interp_engine.testing import VLLM_ARCHS, assert_close_scaled, tiny_model
 from specs import SPECS
-from tests._reference import reference_points
+from tests._reference import reference_outputs, reference_points
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                   reason="vllm not installed")]
@@ -59,18 +63,69 @@ def test_fused_internals_equal_eager_and_reference(model_pool, arch):
     assert_internals_match(eager, vllm, eager.to_tokens(PROMPT))
 
 
+@pytest.mark.parametrize("arch", VLLM_ARCHS)
+def test_pattern_equals_eager_and_hf_on_prompt_and_generated_rows(model_pool, hf_copies, arch):
+    """The probabilities HF's eager attention reports (output_attentions: GQA, causal mask,
+    sliding windows, Gemma 2's soft-cap, GPT-OSS's sinks), at every layer: on a prompt longer
+    than the windows, and on a capture while generating (one row per decode step)."""
+    eager, vllm = model_pool.get(arch), model_pool.get(arch, "vllm")
+    assert "pattern" in {p.name for p in vllm.points() if p.vllm}, arch
+    points = [Address("pattern", layer) for layer in range(eager.n_layers)]
+    tokens = eager.to_tokens(PROMPT)
+    _, theirs = reference_outputs(hf_copies[arch], tokens, with_attentions=True)
+    cv, ce = run_with_cache(vllm, tokens, points), run_with_cache(eager, tokens, points)
+    for a in points:
+        assert_close_scaled(cv[a], ce[a], msg=f"{arch} {a} vs eager")
+        assert_close_scaled(cv[a], theirs[a.layer], msg=f"{arch} {a} vs HF")
+    completion, cg = capture_generation(vllm, tokens, points, max_tokens=4, temperature=0.0)
+    fed = torch.cat([tokens, torch.tensor([list(completion.token_ids[:-1])], dtype=tokens.dtype)], dim=1)
+    _, theirs = reference_outputs(hf_copies[arch], fed, with_attentions=True)
+    for a in points:
+        assert cg[a].shape == (1, eager.graph.n_heads, fed.shape[1], fed.shape[1]), (a, cg[a].shape)
+        assert_close_scaled(cg[a], theirs[a.layer], msg=f"{arch} {a} while generating vs HF")
+
+
 def test_refusals_before_any_forward():
-    """Under tensor parallelism each rank holds a slice of the fused projection: refused, as is
-    vllm-static, whose graph taps are residual-width only; no engine starts for either."""
+    """Under tensor parallelism each rank holds a slice of the fused projection (and the queries
+    and keys of its own heads only): refused, as is vllm-static, whose graph taps are
+    residual-width only; no engine starts for either."""
     model = load_model(tiny_model("qwen3"), backend="vllm", tensor_parallel_size=2)
     tokens = model.to_tokens("Hi")
     for point, capability in (("q.0", "attention_internals"), ("v.2", "attention_internals"),
-                              ("mlp_pre.1", "mlp_internals")):
+                              ("mlp_pre.1", "mlp_internals"), ("pattern.1", "attention_pattern")):
         with pytest.raises(CapabilityUnsupported, match="tensor_parallel_size=2") as info:
             run_with_cache(model, tokens, [point])
         assert info.value.capability == capability and "tensor_parallel_size=1" in info.value.instead
     assert model.backend._llm is None
-    for point in ("q.1", "k.1", "v.1", "mlp_pre.1", "mlp_act.1"):
+    for point in ("q.1", "k.1", "v.1", "mlp_pre.1", "mlp_act.1", "pattern.1"):
         with pytest.raises(CapabilityUnsupported, match=f"static_point.*{point}"):
             load_model(tiny_model("qwen3"), backend="vllm-static", static_points=[point])
-    assert not any(p.vllm_static for p in model.points() if p.name in INTERNALS)
+    assert not any(p.vllm_static for p in model.points() if p.name in INTERNALS + ("pattern",))
+
+
+def test_a_kernel_the_pattern_cannot_be_rebuilt_for_is_refused_by_name():
+    """Each worker reads every layer's attention kernel when the engine starts; a kernel doing
+    what the rebuild does not (ALiBi, keys of another layer, a quantised KV cache) refuses
+    pattern at that layer before the request runs, naming why. (Fake kernel, no engine.)"""
+    from types import SimpleNamespace
+
+    from bridge.vllm.attention import mismatches
+
+    impl = SimpleNamespace(scale=0.125, alibi_slopes=[0.5] * 4, logits_soft_cap=0, sinks=None)
+    odd = SimpleNamespace(impl=impl, attn_type="decoder", sliding_window=None, kv_cache_dtype="fp8",
+                          kv_sharing_target_layer_name="model.layers.0.self_attn.attn")
+    plain = SimpleNamespace(impl=SimpleNamespace(scale=0.125), attn_type="decoder", sliding_window=None,
+                            kv_cache_dtype="auto", kv_sharing_target_layer_name=None)
+    root = SimpleNamespace(get_submodule=lambda path: odd if ".1." in path else plain)
+    found = mismatches(root, SPECS["qwen3"], [0, 1, 2])
+    assert list(found) == [1]
+    assert all(s in found[1] for s in ("ALiBi", "model.layers.0.self_attn.attn", "fp8")), found[1]
+    model = load_model(tiny_model("qwen3"), backend="vllm")  # lazy: no engine
+    backend = model.backend
+    backend._llm, backend._pattern_mismatch = object(), found  # as if started with that kernel
+    try:
+        with pytest.raises(CapabilityUnsupported, match="ALiBi") as info:
+            run_with_cache(model, model.to_tokens("Hi"), ["pattern.1"])
+        assert info.value.capability == "attention_pattern" and info.value.instead
+    finally:
+        backend._llm = None
