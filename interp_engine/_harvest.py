@@ -204,8 +204,8 @@ def _sunk_rows(model: Model, plan, windows: list[list[int]], gen: int, in_flight
                columns: dict[str, int], context_size: int):
     """vLLM: the workers write each request's rows straight into ``raw`` (a float32 file laid out
     as each point's ``[windows, context_size, d_in]`` block in turn, mapped here), so only small
-    answers come back per request; then the shard's rows in window order, ``_WRITE_ROWS`` at a
-    time, as views of the file."""
+    answers come back per request. Yields the shard's rows in window order as views of the file,
+    at least ``_WRITE_ROWS`` at a time, as soon as every window before them has finished."""
     n = len(windows)
     sizes = {a: context_size * columns[str(a)] for a in plan.reads}  # floats per row
     base, at = {}, 0
@@ -217,14 +217,24 @@ def _sunk_rows(model: Model, plan, windows: list[list[int]], gen: int, in_flight
     blocks = {a: rows[base[a]:base[a] + n * sizes[a]].reshape(n, context_size, -1) for a in plan.reads}
     offsets = lambda i: {str(a): 4 * (base[a] + i * sizes[a]) for a in plan.reads}  # noqa: E731
     fed: list[list[int] | None] = [None] * n
+    ready = given = 0  # windows [0, ready) are finished, [0, given) handed on
+
+    def hand_on(stop: int):
+        ids = torch.tensor(fed[given:stop], dtype=torch.long)
+        return ids, {a: blocks[a][given:stop] for a in plan.reads}
+
     for i, generated, sent in model.backend.harvest_into(windows, plan, gen, in_flight, str(raw.resolve()),
                                                          offsets, context_size):
         fed[i] = (windows[i] + list(generated))[: len(windows[i]) + gen - 1]
         for a, t in sent.items():  # what the workers could not write whole (tensor-parallel slices)
             blocks[a][i] = t.to(torch.float32).reshape(context_size, -1).numpy()
-    for start in range(0, n, _WRITE_ROWS):
-        ids = torch.tensor(fed[start:start + _WRITE_ROWS], dtype=torch.long)
-        yield ids, {a: blocks[a][start:start + _WRITE_ROWS] for a in plan.reads}
+        while ready < n and fed[ready] is not None:
+            ready += 1
+        if ready - given >= _WRITE_ROWS:  # requests finish about in order: rows go on as they come
+            yield hand_on(ready)
+            given = ready
+    if given < n:
+        yield hand_on(n)
     del rows, blocks
 
 

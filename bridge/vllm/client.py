@@ -4,7 +4,8 @@ A request's plan travels as plain data in ``SamplingParams.extra_args``; the run
 worker (``runtime.py``, loaded through ``worker_extension_cls``) applies it; captures come back
 through ``collective_rpc`` when the request ends. So the same code serves an in-process engine,
 a multiprocess one (vLLM's default), tensor parallelism and Ray workers: nothing here assumes
-the worker shares this process or this machine.
+the worker shares this process or this machine. (A harvest request's plan names a file for its
+rows, which the workers write when they can open it and send back otherwise: ``harvest_into``.)
 
 One driver thread per engine pulls outputs (``LLMEngine.step``) while any request is in flight
 and hands each to its request's queue; synchronous and asynchronous callers on any event loop
