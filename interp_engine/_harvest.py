@@ -12,7 +12,8 @@ padding is ever written.
 
 Engines. eager runs whole batches of windows (``batch_size``) through one forward, or
 generates window by window. vLLM runs up to ``max_in_flight`` requests at once, so continuous
-batching fills each engine step; captures come back per request and go to the shard in order.
+batching fills each engine step; the worker runtime writes each request's rows straight into a
+file the shard writer maps (``_sunk_rows``), so only a small answer comes back per request.
 
 Memory holds the shard being written at most (``shard_bytes``); the manifest makes an
 interrupted run resumable (see ``_harvest_store``).
@@ -37,7 +38,7 @@ import torch
 
 from ._address import AddressLike, expand_points
 from ._capabilities import CapabilityUnsupported
-from ._harvest_store import Harvested, ManifestMismatch, Store, load
+from ._harvest_store import _TMP, Harvested, ManifestMismatch, Store, load
 from ._model import Model
 from ._plan import capture_plan
 
@@ -165,8 +166,10 @@ _WRITE_ROWS = 64  # rows handed to the shard writer at once
 
 # ---- engines ------------------------------------------------------------------------------
 
-def _flat(t: torch.Tensor) -> np.ndarray:
+def _flat(t: torch.Tensor | np.ndarray) -> np.ndarray:
     """``[rows, ctx, ...]`` -> ``[rows, ctx, d_in]`` float32."""
+    if isinstance(t, np.ndarray):
+        return t.reshape(t.shape[0], t.shape[1], -1).astype(np.float32, copy=False)
     return t.detach().to("cpu", torch.float32).reshape(t.shape[0], t.shape[1], -1).numpy()
 
 
@@ -195,6 +198,52 @@ def _request_rows(model: Model, windows: list[list[int]], reads, gen: int, in_fl
 
     for ids, values in asyncio.run(run()):
         yield ids, values
+
+
+def _sunk_rows(model: Model, plan, windows: list[list[int]], gen: int, in_flight: int, raw: Path,
+               columns: dict[str, int], context_size: int):
+    """vLLM: the workers write each request's rows straight into ``raw`` (a float32 file laid out
+    as each point's ``[windows, context_size, d_in]`` block in turn, mapped here), so only small
+    answers come back per request. Yields the shard's rows in window order as views of the file,
+    at least ``_WRITE_ROWS`` at a time, as soon as every window before them has finished."""
+    n = len(windows)
+    sizes = {a: context_size * columns[str(a)] for a in plan.reads}  # floats per row
+    base, at = {}, 0
+    for a in plan.reads:
+        base[a], at = at, at + n * sizes[a]
+    with open(raw, "wb") as f:
+        f.truncate(at * 4)
+    rows = np.memmap(raw, dtype=np.float32, mode="r+", shape=(at,))
+    blocks = {a: rows[base[a]:base[a] + n * sizes[a]].reshape(n, context_size, -1) for a in plan.reads}
+    offsets = lambda i: {str(a): 4 * (base[a] + i * sizes[a]) for a in plan.reads}  # noqa: E731
+    fed: list[list[int] | None] = [None] * n
+    ready = given = 0  # windows [0, ready) are finished, [0, given) handed on
+
+    def hand_on(stop: int):
+        ids = torch.tensor(fed[given:stop], dtype=torch.long)
+        return ids, {a: blocks[a][given:stop] for a in plan.reads}
+
+    for i, generated, sent in model.backend.harvest_into(windows, plan, gen, in_flight, str(raw.resolve()),
+                                                         offsets, context_size):
+        fed[i] = (windows[i] + list(generated))[: len(windows[i]) + gen - 1]
+        for a, t in sent.items():  # what the workers could not write whole (tensor-parallel slices)
+            blocks[a][i] = t.to(torch.float32).reshape(context_size, -1).numpy()
+        while ready < n and fed[ready] is not None:
+            ready += 1
+        if ready - given >= _WRITE_ROWS:  # requests finish about in order: rows go on as they come
+            yield hand_on(ready)
+            given = ready
+    if given < n:
+        yield hand_on(n)
+    del rows, blocks
+
+
+def _sinks(model: Model, plan) -> bool:
+    """Whether the workers can write this plan's rows into a file themselves: the engine has
+    ``harvest_into`` and each point's raw rows are already its row-major values."""
+    spec = getattr(model.backend, "spec", None)
+    return hasattr(model.backend, "harvest_into") and spec is not None and all(
+        spec.vllm[a.name].post in (None, "heads", "kv_heads", "flat") for a in plan.reads)
 
 
 def _progress(enabled: bool | None, resumed: int):
@@ -293,10 +342,15 @@ def harvest(model: Model, prompts: Sequence[str] | str | os.PathLike,
             if not chunk:
                 break
             writer = store.shard()
+            raw = writer.path.with_name(writer.path.name + ".rows" + _TMP)  # the workers' rows (vLLM)
+            rows = None
             try:
                 if model.backend_name == "eager" and max_tokens == 0:
                     rows = _eager_prompt_rows(model, chunk, reads, batch_size)
                     group = 1  # each item is a batch already
+                elif _sinks(model, plan):
+                    rows = _sunk_rows(model, plan, chunk, gen, max_in_flight, raw, columns, context_size)
+                    group = 1  # each item is _WRITE_ROWS rows already
                 else:
                     rows = _request_rows(model, chunk, reads, gen, max_in_flight)
                     group = _WRITE_ROWS  # one row per request: Arrow's cost is per write, so gather them
@@ -321,8 +375,12 @@ def harvest(model: Model, prompts: Sequence[str] | str | os.PathLike,
                         flush()
                 flush()
             except BaseException:
+                if rows is not None:
+                    rows.close()  # its requests leave the engine now, not when it is collected
                 writer.discard()
                 raise
+            finally:
+                raw.unlink(missing_ok=True)
             store.finish_shard(writer, writer.rows * context_size)
     finally:
         bar.close()

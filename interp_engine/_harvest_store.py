@@ -51,6 +51,22 @@ def features(columns: Mapping[str, int], context_size: int):
     return Features(table)
 
 
+def _arrow(values: np.ndarray, feature):
+    """``values`` (``[rows, ctx, d_in]`` for an Array2D column, ``[rows, ctx]`` for token_ids)
+    as an Arrow array of ``feature``'s type: the layout ``datasets`` itself writes."""
+    import pyarrow as pa
+
+    rows, ctx = values.shape[0], values.shape[1]
+    if values.ndim == 2:  # token_ids: Sequence(Value("int32"), length=ctx)
+        flat = pa.array(np.ascontiguousarray(values, dtype=np.int32).reshape(-1))
+        return pa.FixedSizeListArray.from_arrays(flat, ctx)
+    width = values.shape[2]
+    flat = pa.array(np.ascontiguousarray(values, dtype=np.float32).reshape(-1))
+    inner = pa.ListArray.from_arrays(pa.array(np.arange(0, rows * ctx * width + 1, width, dtype=np.int32)), flat)
+    outer = pa.ListArray.from_arrays(pa.array(np.arange(0, rows * ctx + 1, ctx, dtype=np.int32)), inner)
+    return pa.ExtensionArray.from_storage(feature(), outer)
+
+
 class ShardWriter:
     """One shard being written: rows go straight to an Arrow file under a temporary name;
     ``close`` renames it into place. Holds no rows itself."""
@@ -59,6 +75,7 @@ class ShardWriter:
         from datasets.arrow_writer import ArrowWriter
 
         self.path = path
+        self.features = feats
         self.tmp = path.with_name(path.name + _TMP)
         self.rows = 0
         self._writer = ArrowWriter(features=feats, path=str(self.tmp))
@@ -66,7 +83,10 @@ class ShardWriter:
     def write(self, columns: Mapping[str, np.ndarray]) -> None:
         """``columns``: name -> ``[rows, context_size, d_in]`` float32 (``token_ids`` int32)."""
         n = len(columns["token_ids"])
-        self._writer.write_batch({name: list(values) for name, values in columns.items()})
+        # Arrow arrays of the features' own types, built over the numbers in one piece: handing
+        # the writer a list of per-row arrays makes it convert row by row (most of a vLLM
+        # harvest's client time, measured)
+        self._writer.write_batch({name: _arrow(values, self.features[name]) for name, values in columns.items()})
         self.rows += n
 
     def close(self) -> None:

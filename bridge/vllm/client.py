@@ -4,7 +4,8 @@ A request's plan travels as plain data in ``SamplingParams.extra_args``; the run
 worker (``runtime.py``, loaded through ``worker_extension_cls``) applies it; captures come back
 through ``collective_rpc`` when the request ends. So the same code serves an in-process engine,
 a multiprocess one (vLLM's default), tensor parallelism and Ray workers: nothing here assumes
-the worker shares this process or this machine.
+the worker shares this process or this machine. (A harvest request's plan names a file for its
+rows, which the workers write when they can open it and send back otherwise: ``harvest_into``.)
 
 One driver thread per engine pulls outputs (``LLMEngine.step``) while any request is in flight
 and hands each to its request's queue; synchronous and asynchronous callers on any event loop
@@ -368,7 +369,8 @@ class VllmBackend:
         )
 
     def _add(self, prompt: list[int] | None, config: SamplingConfig, plan: Plan, capture: _Capture | None,
-             sink: Callable[[Any], None], embeds: torch.Tensor | None = None) -> _Request:
+             sink: Callable[[Any], None], embeds: torch.Tensor | None = None,
+             rows_to: dict | None = None) -> _Request:
         llm = self._engine()
         for address in plan.reads:
             if address.name == "pattern" and (refused := self._pattern_refusal(address)) is not None:
@@ -382,7 +384,8 @@ class VllmBackend:
             engine_prompt = {"prompt_token_ids": list(prompt)}
             prompt_len = len(prompt)
         rid = uuid.uuid4().hex
-        extra = None if plan.empty else {"interp_engine": plan_to_wire(plan, rid, model=self._fingerprint)}
+        extra = None if plan.empty else {"interp_engine": plan_to_wire(plan, rid, model=self._fingerprint,
+                                                                       sink=rows_to)}
         params = self._sampling_params(config, extra)
         external = f"interp-{next(_ids)}-{rid[:8]}"
         request = _Request(external, rid, plan, prompt_len, capture, sink)
@@ -637,6 +640,60 @@ class VllmBackend:
                     return
         finally:
             self._abort(request)
+
+    def harvest_into(self, windows: list[list[int]], plan: Plan, max_tokens: int, in_flight: int,
+                     path: str, offsets: Callable[[int], dict[str, int]], positions: int
+                     ) -> Iterator[tuple[int, list[int], dict[Address, torch.Tensor]]]:
+        """Harvest's engine: every window as its own greedy request of ``max_tokens`` tokens,
+        ``in_flight`` at once, whose workers write its ``positions`` rows of each read straight
+        into the file at ``path`` (made by the caller, ``offsets(i)``: where window ``i``'s rows
+        of each read go), so only small answers cross back. Yields ``(i, generated token ids,
+        rows)`` as windows finish (any order); ``rows`` holds only what the workers could not
+        write whole (the slices of a point sharded over tensor-parallel ranks, joined here)."""
+        import collections
+
+        config = SamplingConfig(max_tokens=max_tokens, temperature=0.0, stop_at_eos=False)
+        done: queue.SimpleQueue = queue.SimpleQueue()
+        todo = collections.deque(range(len(windows)))
+        live: dict[int, tuple[_Request, list[int]]] = {}
+        try:
+            while todo or live:
+                while todo and len(live) < in_flight:
+                    i = todo.popleft()
+                    sink = {"path": path, "offsets": offsets(i), "positions": positions}
+                    live[i] = (self._add(windows[i], config, plan, _Capture(), lambda out, i=i: done.put((i, out)),
+                                         rows_to=sink), [])
+                if self.in_process:
+                    while done.empty():
+                        if not self._pump() and done.empty():
+                            raise RuntimeError("the vLLM engine holds no work for a request still waiting")
+                i, out = done.get()
+                if isinstance(out, _Refused):
+                    raise out.exc
+                if isinstance(out, BaseException):
+                    raise self._step_failed() from out
+                request, tokens = live[i]
+                tokens.extend(out.outputs[0].token_ids)
+                if out.finished:
+                    del live[i]
+                    yield i, tokens, self._sunk(request)
+        finally:
+            for request, _ in live.values():
+                self._abort(request)
+
+    def _sunk(self, request: _Request) -> dict[Address, torch.Tensor]:
+        """A finished harvest request: its workers' answers checked, the rows they sent joined."""
+        results = request.settled
+        if results is None:  # the pump did not collect it: do it now
+            results = self.rpc("interp_collect", request.rid, request.prompt_len + request.generated - 1)
+            request.released = True
+        elif isinstance(results, BaseException):
+            raise RuntimeError("collecting this request's captures from the vLLM workers failed") from results
+        errors = [r.get("error") for r in results if r.get("found") and r.get("error")]
+        if errors:
+            raise RuntimeError(f"the interp_engine runtime failed for this request: {errors[0]}")
+        sent = {key for r in results for key in r.get("values", {})}
+        return merge_ranks([a for a in request.plan.reads if str(a) in sent], results)
 
     def new_capture(self) -> _Capture:
         return _Capture()

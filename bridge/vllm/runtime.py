@@ -5,7 +5,9 @@ Each forward it reads the plans of the requests scheduled in this step (from the
 applies the requests' steering and copies their captured rows into per-request buffers. A
 hook is installed on a module the first time any request needs it and stays (no per-step
 registration); the per-step work is the row map. Captures leave through ``collect`` (an rpc the
-client calls when its request finished) or are written to the file a request names when it ends.
+client calls when its request finished) or are written to the file a request names when it ends;
+a harvest request's plan names a sink (a file the client maps, and where its rows go in it), and
+``collect`` writes the rows there and answers only whether it did.
 
 It holds no client state: only what the requests themselves carry. It never raises into
 vLLM's forward: an error while serving one request is recorded against that request (its
@@ -510,6 +512,7 @@ class Runtime:
         if request is None:
             return {"found": False}
         out: dict[str, Any] = {"found": True, "error": request.error, "values": {}}
+        sink = request.plan.sink
         if request.error is None:
             for address in request.plan.reads:
                 if not self.store_captures and address.name not in self.rank_shards:
@@ -527,6 +530,17 @@ class Runtime:
                     log.exception("interp_engine runtime: %s of request %s", address, rid)
                     out["error"] = f"{address}: {type(exc).__name__}: {exc}"
                     break
+                if sink is not None and address.name not in self.rank_shards:
+                    # whole rows (rank 0 of a replicated point): straight into the client's file
+                    try:
+                        self._sink(sink, address, value)
+                        continue
+                    except FileNotFoundError:
+                        pass  # a worker on another machine: the rows go back through the rpc
+                    except Exception as exc:
+                        out["error"] = f"writing {address} to {sink.path} failed: {exc!r}"
+                        break
+                # a rank's slice of a sharded point (the client joins the slices) or no sink
                 out["values"][str(address)] = tensor_to_wire(value)
         if release:
             self.release(rid)
@@ -541,6 +555,23 @@ class Runtime:
         from .attention import pattern_from_rows
 
         return pattern_from_rows(self.sites[tap.module_path(address.layer)].module, rows)
+
+    @staticmethod
+    def _sink(sink, address: Address, rows: torch.Tensor) -> None:
+        """A harvest request's rows of ``address`` into its sink file, as float32, at its offset."""
+        if rows.shape[0] != sink.positions:
+            raise ValueError(f"the request has {rows.shape[0]} positions, its sink row holds {sink.positions}")
+        data = rows.to(torch.float32).contiguous().view(-1).numpy()
+        fd = os.open(sink.path, os.O_WRONLY)  # the client made it at its full size: never create
+        try:
+            view, at = memoryview(data).cast("B"), sink.offsets[str(address)]
+            if at + view.nbytes > os.fstat(fd).st_size:
+                raise ValueError(f"the rows would end at byte {at + view.nbytes}, past the file's end")
+            while view:
+                n = os.pwrite(fd, view, at)
+                view, at = view[n:], at + n
+        finally:
+            os.close(fd)
 
     def flush(self, rid: str) -> bool:
         """Write the captures of ``rid`` to its capture_path now (the server calls this once the

@@ -32,7 +32,7 @@ from interp_engine._address import Address, to_address
 from interp_engine._ops import effective_vector
 from interp_engine._plan import OPS, VECTORLESS, Plan, _norm_positions, is_write_site, unit_dims, write_sites
 
-__all__ = ["KEY", "FLAT_KEYS", "PlanError", "VectorRegistry", "WireOp", "WirePlan", "plan_from_args",
+__all__ = ["KEY", "FLAT_KEYS", "PlanError", "VectorRegistry", "WireOp", "WirePlan", "WireSink", "plan_from_args",
            "plan_to_wire", "tensor_from_wire", "tensor_to_wire"]
 
 KEY = "interp_engine"
@@ -119,19 +119,33 @@ class WireOp:
 
 
 @dataclass(frozen=True)
+class WireSink:
+    """Where a harvest request's rows go: ``positions`` rows of each read, as float32, written
+    contiguously at ``offsets[address]`` bytes into the file at ``path`` (which the client made
+    and maps). The collect rpc then answers only whether the rows are there."""
+
+    path: str
+    offsets: Mapping[str, int]
+    positions: int
+
+
+@dataclass(frozen=True)
 class WirePlan:
     rid: str
     reads: tuple[Address, ...]
     writes: tuple[WireOp, ...]
     capture_path: str | None = None  # write captures here when the request ends (else: rpc)
+    sink: "WireSink | None" = None  # write the rows into a file the client maps (harvest)
 
     @property
     def empty(self) -> bool:
         return not self.reads and not self.writes
 
 
-def plan_to_wire(plan: Plan, rid: str, capture_path: str | None = None, model: str | None = None) -> dict:
-    """A validated Plan as plain data for ``SamplingParams(extra_args={KEY: ...})``."""
+def plan_to_wire(plan: Plan, rid: str, capture_path: str | None = None, model: str | None = None,
+                 sink: Mapping | None = None) -> dict:
+    """A validated Plan as plain data for ``SamplingParams(extra_args={KEY: ...})``. ``sink``:
+    ``{"path", "offsets": {address: byte offset}, "positions"}`` (see WireSink)."""
     writes = []
     for op in plan.writes:
         if op.batched:
@@ -151,6 +165,9 @@ def plan_to_wire(plan: Plan, rid: str, capture_path: str | None = None, model: s
         data["model"] = model  # the graph's fingerprint, for admission checks
     if capture_path:
         data["capture_path"] = capture_path
+    if sink is not None:
+        data["sink"] = {"path": str(sink["path"]), "positions": int(sink["positions"]),
+                        "offsets": {str(k): int(v) for k, v in sink["offsets"].items()}}
     return data
 
 
@@ -285,6 +302,7 @@ def plan_from_args(extra_args: Mapping | None, graph=None, registry: VectorRegis
             raise _fail("'reads' and 'writes' must be lists")
         plan_rid = str(data.get("rid") or rid or "")
         capture_path = data.get("capture_path")
+        sink = data.get("sink")
     elif any(key in extra_args for key in FLAT_KEYS):
         unknown = sorted(k for k in extra_args if k.startswith("interp_") and k not in FLAT_KEYS)
         if unknown:
@@ -300,6 +318,7 @@ def plan_from_args(extra_args: Mapping | None, graph=None, registry: VectorRegis
         if isinstance(reads, str):
             reads = [r.strip() for r in reads.split(",") if r.strip()]
         capture_path = extra_args.get("interp_capture_path")
+        sink = None  # a server request never names a file the workers write into
         plan_rid = str(capture_path or rid or "")  # the server flushes a capture by its path
         if reads and not capture_path:
             raise _fail("interp_capture needs interp_capture_path (interp-engine serve sets it and returns it)")
@@ -313,7 +332,23 @@ def plan_from_args(extra_args: Mapping | None, graph=None, registry: VectorRegis
     ops = tuple(_write(entry, graph, registry) for entry in writes)
     if capture_path is not None and not isinstance(capture_path, str):
         raise _fail("capture_path must be a string")
-    return WirePlan(plan_rid, tuple(dict.fromkeys(addresses)), ops, capture_path)
+    reads = tuple(dict.fromkeys(addresses))
+    return WirePlan(plan_rid, reads, ops, capture_path, None if sink is None else _sink(sink, reads))
+
+
+def _sink(value, reads: tuple[Address, ...]) -> WireSink:
+    if not isinstance(value, Mapping) or not isinstance(value.get("path"), str) \
+            or not os.path.isabs(value["path"]):
+        raise _fail("sink must be {'path': an absolute file path, 'offsets': {point: byte offset}, "
+                    "'positions': rows per point} (build it with plan_to_wire)")
+    positions, offsets = value.get("positions"), value.get("offsets")
+    if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
+        raise _fail(f"sink positions must be an int >= 1, got {positions!r}")
+    if not isinstance(offsets, Mapping) or sorted(offsets) != sorted(str(a) for a in reads) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in offsets.values()):
+        raise _fail(f"sink offsets must map each read ({', '.join(str(a) for a in reads)}) to a byte "
+                    f"offset >= 0, got {offsets!r}")
+    return WireSink(value["path"], MappingProxyType(dict(offsets)), positions)
 
 
 def merge_ranks(reads: Sequence[Address], results: Sequence[Mapping]) -> dict[Address, torch.Tensor]:

@@ -69,6 +69,25 @@ def test_a_bad_plan_is_refused_with_what_to_send_instead(graph, mutate, match):
         wire.plan_from_args({wire.KEY: data}, graph=graph)
 
 
+def test_a_harvest_sink_crosses_as_plain_data_and_a_bad_one_is_refused(graph, tmp_path):
+    """A harvest request names the file its rows go to (the workers write them there)."""
+    wire = _wire()
+    plan = capture_plan(graph, ["resid_post.1", "z.0"])
+    sink = {"path": str(tmp_path / "rows"), "offsets": {"resid_post.1": 0, "z.0": 4096}, "positions": 8}
+    data = wire.plan_to_wire(plan, "r", sink=sink)
+    json.dumps(data)
+    back = wire.plan_from_args({wire.KEY: data}, graph=graph).sink
+    assert (back.path, dict(back.offsets), back.positions) == (sink["path"], sink["offsets"], 8)
+    assert wire.plan_from_args({wire.KEY: wire.plan_to_wire(plan, "r")}, graph=graph).sink is None
+    for change, match in ((dict(path="rows"), r"absolute file path"),
+                          (dict(positions=0), r"positions must be an int >= 1, got 0"),
+                          (dict(offsets={"resid_post.1": 0}), r"map each read \(resid_post.1, z.0\)"),
+                          (dict(offsets={"resid_post.1": 0, "z.0": -4}), r"byte offset >= 0")):
+        bad = dict(data, sink=dict(data["sink"], **change))
+        with pytest.raises(wire.PlanError, match=match):
+            wire.plan_from_args({wire.KEY: bad}, graph=graph)
+
+
 def test_server_style_flat_arguments(graph, tmp_path):
     wire = _wire()
     v = torch.randn(D)
