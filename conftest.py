@@ -32,6 +32,7 @@ class ModelPool:
     def __init__(self) -> None:
         self._models: dict[tuple, object] = {}
         self._engines: collections.OrderedDict[tuple, None] = collections.OrderedDict()
+        self._evicted: set[tuple] = set()
 
     def get(self, arch: str, backend: str = "eager", **options):
         if backend == "vllm" and set(options) <= {"enable_prompt_embeds"}:
@@ -47,12 +48,16 @@ class ModelPool:
             self._models[key] = load_model(tiny_model(arch), backend=backend, **options, **extra)
             if backend != "eager":
                 ENGINE_STARTS[key] += 1
+        elif key in self._evicted:  # closed to make room: its engine starts again on first use
+            self._evicted.discard(key)
+            ENGINE_STARTS[key] += 1
         if backend != "eager":
             self._engines[key] = None
             self._engines.move_to_end(key)
             while len(self._engines) > self.MAX_ENGINES:
                 old, _ = self._engines.popitem(last=False)
                 self._models[old].close()
+                self._evicted.add(old)
         return self._models[key]
 
     def close(self) -> None:
