@@ -554,13 +554,18 @@ class VllmBackend:
     def _settle(self, request: _Request) -> None:
         """A request that ended: fetch its captures (or just its status) and free it in the
         workers; raise if the runtime failed while serving it."""
-        if request.plan.empty:
+        if request.plan.empty or (request.settled is None and request.released):
             return
+        results = self._answers(request, request.prompt_len + request.generated - 1
+                                if request.capture is not None else 0)
+        if request.capture is not None:
+            request.capture.values = merge_ranks(request.plan.reads, results)
+
+    def _answers(self, request: _Request, n: int) -> list:
+        """The workers' answers for an ended request (collected by the pump, or now, for ``n``
+        rows), raising if collecting failed or the runtime failed while serving it."""
         results = request.settled
-        if results is None:
-            if request.released:
-                return
-            n = request.prompt_len + request.generated - 1 if request.capture is not None else 0
+        if results is None:  # the pump did not collect it: do it now
             results = self.rpc("interp_collect", request.rid, n)
             request.released = True
         elif isinstance(results, BaseException):
@@ -568,8 +573,7 @@ class VllmBackend:
         errors = [r.get("error") for r in results if r.get("found") and r.get("error")]
         if errors:
             raise RuntimeError(f"the interp_engine runtime failed for this request: {errors[0]}")
-        if request.capture is not None:
-            request.capture.values = merge_ranks(request.plan.reads, results)
+        return results
 
     @staticmethod
     def _raw_steps(out, k: int | None) -> Iterator[RawStep]:
@@ -683,15 +687,7 @@ class VllmBackend:
 
     def _sunk(self, request: _Request) -> dict[Address, torch.Tensor]:
         """A finished harvest request: its workers' answers checked, the rows they sent joined."""
-        results = request.settled
-        if results is None:  # the pump did not collect it: do it now
-            results = self.rpc("interp_collect", request.rid, request.prompt_len + request.generated - 1)
-            request.released = True
-        elif isinstance(results, BaseException):
-            raise RuntimeError("collecting this request's captures from the vLLM workers failed") from results
-        errors = [r.get("error") for r in results if r.get("found") and r.get("error")]
-        if errors:
-            raise RuntimeError(f"the interp_engine runtime failed for this request: {errors[0]}")
+        results = self._answers(request, request.prompt_len + request.generated - 1)
         sent = {key for r in results for key in r.get("values", {})}
         return merge_ranks([a for a in request.plan.reads if str(a) in sent], results)
 
