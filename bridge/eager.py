@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import math
 import threading
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator
@@ -174,11 +173,16 @@ class EagerBackend:
         tap = self._tap(op.address.name)
         cols = self._columns(op, tap)
 
+        heads_first = tap.post == "heads_first"
+
         def write(x):
             if x.dim() == 3:
                 return apply_write(kind, x, vec, sel, cols=cols)
-            # already split per head ([batch, pos, heads, d_head]: Qwen3's q_norm): one row per position
-            return apply_write(kind, x.flatten(2), vec, sel, cols=cols).view_as(x)
+            # already split per head: [batch, pos, heads, d_head] (Qwen3's q_norm) or
+            # [batch, heads, pos, d_head] (Gemma 3's); written as one row per position
+            rows = x.transpose(1, 2) if heads_first else x
+            new = apply_write(kind, rows.flatten(2), vec, sel, cols=cols).view(rows.shape)
+            return new.transpose(1, 2) if heads_first else new
         hooks.write(self.module(tap.module_path(layer)), tap.how, write)
 
     def _columns(self, op: SteerOp, tap: Tap) -> torch.Tensor | None:
@@ -187,17 +191,7 @@ class EagerBackend:
         cols = op.column_index
         if tap.split is None:
             return None if cols is None else cols.to(self.device)
-        start, stop = tap.split.bounds(self.graph)
-        if cols is None:
-            width = stop - start
-            if tap.split.per is not None:
-                width *= self.graph.dim_size(tap.split.per)
-            cols = torch.arange(width)
-        if tap.split.per is None:
-            return (cols + start).to(self.device)
-        part = stop - start  # one group's share (GPT-NeoX: each head holds its q | k | v)
-        group_width = sum(math.prod(self.graph.dim_size(d) for d in dims) for dims in tap.split.parts)
-        return (cols // part * group_width + start + cols % part).to(self.device)
+        return torch.tensor(tap.split.columns(self.graph, op.columns), device=self.device)
 
     # ---- running ----------------------------------------------------------------
     @contextlib.contextmanager
@@ -370,10 +364,11 @@ class EagerBackend:
             inputs = {"input_ids": torch.tensor([[token]], dtype=torch.long, device=self.device)}
 
     async def agenerate(self, prompt: list[int] | None, config: SamplingConfig, plan: Plan,
-                        capture: _Captures | None = None, embeds: torch.Tensor | None = None
-                        ) -> AsyncIterator[RawStep]:
+                        capture: _Captures | None = None, embeds: torch.Tensor | None = None,
+                        streaming: bool = True) -> AsyncIterator[RawStep]:
         """One forward per step, yielding to the event loop between steps so concurrent
-        requests interleave; each forward holds its own hooks only while it runs."""
+        requests interleave; each forward holds its own hooks only while it runs. Each step is
+        yielded as it is made, ``streaming`` or not."""
         steps = self.generate(prompt, config, plan, capture, embeds=embeds)
         try:
             for raw in steps:

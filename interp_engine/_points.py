@@ -55,16 +55,31 @@ class Split:
         if not 0 <= self.index < len(parts):
             raise ValueError(f"Split index {self.index} out of range for {len(parts)} parts")
 
-    def bounds(self, graph) -> tuple[int, int]:
-        """(start, stop) of the part along the last dim, for ``graph``'s sizes."""
+    def _widths(self, graph) -> list[int]:
         widths = []
         for dims in self.parts:
             width = 1
             for dim in dims:
                 width *= graph.dim_size(dim)
             widths.append(width)
+        return widths
+
+    def bounds(self, graph) -> tuple[int, int]:
+        """(start, stop) of the part along the last dim (within each group, with ``per``), for
+        ``graph``'s sizes."""
+        widths = self._widths(graph)
         start = sum(widths[: self.index])
         return start, start + widths[self.index]
+
+    def columns(self, graph, cols: "tuple[int, ...] | None" = None) -> list[int]:
+        """Where columns ``cols`` of the part's flat row (every column with None) sit in the
+        fused row: what a write at the part edits of the fused output."""
+        widths = self._widths(graph)
+        start = sum(widths[: self.index])
+        width = widths[self.index]
+        groups = 1 if self.per is None else graph.dim_size(self.per)
+        every = range(groups * width) if cols is None else cols
+        return [(c // width) * sum(widths) + start + c % width for c in every]
 
     def take(self, t, graph):
         start, stop = self.bounds(graph)

@@ -56,13 +56,14 @@ class VllmTap:
     (``x + residual`` at a fused add+norm ``path`` called as ``norm(x, residual)``),
     ``route_weights`` / ``route_indices`` (the selection recomputed from the router logits that
     ``path`` outputs, with the spec's ``routing`` rule: vLLM never returns its own).
-    ``heads_out`` (read only: the ``[tokens, heads, d_head]`` output of a per-head module such
-    as Qwen3's ``q_norm``, one row per token).
+    ``heads_out`` (the ``[tokens, heads, d_head]`` output of a per-head module such as Qwen3's
+    ``q_norm``, one row per token).
     ``attn_qk`` (read only: ``pattern``): the query and key inputs of vLLM's ``Attention``
     module at ``path`` (after rotary embedding), kept per request; the worker rebuilds the
     probabilities from them with the kernel's own scale, window, soft-cap and sinks.
-    Rows are flat tokens; ``split`` (read only) takes one part of a fused output (q of
-    ``qkv_proj``, the gate of ``gate_up_proj``) in the worker, before the rows leave it;
+    Rows are flat tokens; ``split`` takes one part of a fused output (q of ``qkv_proj``, the
+    gate of ``gate_up_proj``) in the worker, before the rows leave it (a write edits only the
+    part's columns of the fused output);
     ``post`` ``heads`` splits the last dim into heads.
     """
 

@@ -257,6 +257,18 @@ def test_head_writes_on_q_and_v_inside_fused_qkv(eager_models):
                                                                                       heads=[1])
     torch.testing.assert_close(_logits(qwen3, ids, spec), want, **TOL)
 
+    gemma3 = eager_models["gemma3"]  # its norms see [batch, heads, pos, d_head]: heads before positions
+    ids = _ids(gemma3)
+
+    def gemma3_ref(x):
+        out = x.clone()
+        out[:, 1, 1:3] *= 0.5
+        return out
+    attn = gemma3.hf.model.layers[1].self_attn
+    want = hf_logits(gemma3, ids, [(attn.q_norm, "out", gemma3_ref), (attn.k_norm, "out", gemma3_ref)])
+    assert not torch.allclose(want, hf_logits(gemma3, ids))
+    torch.testing.assert_close(_logits(gemma3, ids, spec), want, **TOL)
+
     llama = eager_models["llama"]
     ids = _ids(llama)
     ref = on_heads(lambda s, h: s * 0, llama.graph.n_heads, [1])

@@ -15,7 +15,8 @@ import importlib.util
 import pytest
 import torch
 
-from interp_engine import Address, CapabilityUnsupported, capture_generation, load_model, run_with_cache
+from interp_engine import (Address, CapabilityUnsupported, SteerSpec, capture_generation, load_model,
+                           run_with_cache)
 from interp_engine.testing import VLLM_ARCHS, assert_close_scaled, tiny_model
 from specs import SPECS
 from tests._reference import reference_outputs, reference_points
@@ -64,6 +65,37 @@ def test_fused_internals_equal_eager_and_reference(model_pool, arch):
 
 
 @pytest.mark.parametrize("arch", VLLM_ARCHS)
+def test_writes_at_fused_internals_equal_eager(model_pool, arch):
+    """A write at q, k, v or mlp_pre edits only its part of vLLM's fused output (per head inside
+    GPT-NeoX's per-head q | k | v groups), or the per-head norm's output where the point is
+    read there; three parts of one projection written in one request; the written point read
+    back in the same request. Against eager, whose writes at these points equal the HF
+    references (tests/bridge/test_eager_ops.py)."""
+    eager, vllm = model_pool.get(arch), model_pool.get(arch, "vllm")
+    tokens = eager.to_tokens(PROMPT)
+    g, L = eager.graph, 1
+    gen = torch.Generator().manual_seed(3)
+    kv = torch.randn(g.n_kv_heads, g.d_head, generator=gen)
+    last = f"resid_post.{eager.n_layers - 1}"
+    specs = [SteerSpec.zero(f"q.{L}", heads=[g.n_heads - 1]),
+             SteerSpec.scale(f"k.{L}", 0.5, heads=[0], positions=(1, 2)),
+             SteerSpec.add(f"v.{L}", kv, scale=2.0),
+             SteerSpec.scale(f"q.{L}", 2.0, heads=[0]) | SteerSpec.mean(f"k.{L}", kv, heads=[g.n_kv_heads - 1])
+             | SteerSpec.zero(f"v.{L}", heads=[0], positions=(3,))]
+    served = {p.name for p in vllm.points() if p.vllm}
+    layer = next((m for m in g.layers_of("mlp_pre") if m >= L), None) if "mlp_pre" in served else None
+    if layer is not None:
+        specs.append(SteerSpec.scale(f"mlp_pre.{layer}", 3.0, neurons=[0, 5]))
+    plain = run_with_cache(eager, tokens, [last])[last]
+    for spec in specs:
+        reads = [last] + [str(op.address) for op in spec.ops]
+        want, got = run_with_cache(eager, tokens, reads, steer=spec), run_with_cache(vllm, tokens, reads, steer=spec)
+        assert not torch.allclose(want[last], plain), f"{arch} {spec} changes nothing"
+        for point in reads:
+            assert_close_scaled(got[point], want[point], msg=f"{arch} {spec}: {point}")
+
+
+@pytest.mark.parametrize("arch", VLLM_ARCHS)
 def test_pattern_equals_eager_and_hf_on_prompt_and_generated_rows(model_pool, hf_copies, arch):
     """The probabilities HF's eager attention reports (output_attentions: GQA, causal mask,
     sliding windows, Gemma 2's soft-cap, GPT-OSS's sinks), at every layer: on a prompt longer
@@ -96,6 +128,11 @@ def test_refusals_before_any_forward():
         with pytest.raises(CapabilityUnsupported, match="tensor_parallel_size=2") as info:
             run_with_cache(model, tokens, [point])
         assert info.value.capability == capability and "tensor_parallel_size=1" in info.value.instead
+    for spec, capability in ((SteerSpec.zero("q.0", heads=[1]), "attention_internals"),
+                             (SteerSpec.scale("mlp_pre.1", 2.0), "mlp_internals")):
+        with pytest.raises(CapabilityUnsupported, match="write at .* tensor_parallel_size=2") as info:
+            run_with_cache(model, tokens, [], steer=spec)
+        assert info.value.capability == capability
     assert model.backend._llm is None
     for point in ("q.1", "k.1", "v.1", "mlp_pre.1", "mlp_act.1", "pattern.1"):
         with pytest.raises(CapabilityUnsupported, match=f"static_point.*{point}"):

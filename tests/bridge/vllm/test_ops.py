@@ -160,11 +160,44 @@ def test_writes_at_points_vllm_does_not_serve_are_refused_or_exact(pair):
             run_with_cache(vllm, ids, [], steer=spec)
         with pytest.raises(CapabilityUnsupported, match="mlp_act.0"):
             steered(vllm, spec)
-    with pytest.raises(CapabilityUnsupported, match=r"write at q\.0"):  # served or not: a fused projection
-        run_with_cache(vllm, ids, [], steer=SteerSpec.zero("q.0", heads=[1]))
     source = run_with_cache(eager, torch.cat([ids, ids]), ["resid_post.0"])
     with pytest.raises(ValueError, match="source of 2 rows"):
         run_with_cache(vllm, ids, [], steer=SteerSpec.patch("resid_post.0", source))
+
+
+def test_writes_inside_fused_projections_equal_the_hf_reference(pair):
+    """vLLM fuses q | k | v into qkv_proj and gate | up into gate_up_proj (Qwen3 reads q and k
+    after its per-head norms): a write at q, k, v or mlp_pre edits only its part, as editing
+    the HF model's own q_proj / k_proj / v_proj / gate_proj (or q_norm / k_norm) output does."""
+    eager, vllm = pair
+    ids = eager.to_tokens(PROMPT)
+    g, L = eager.graph, 1
+    H, KV = g.n_heads, g.n_kv_heads
+    attn, mlp = decoder_layers(eager.hf)[L].self_attn, decoder_layers(eager.hf)[L].mlp
+    kv = torch.randn(KV, g.d_head, generator=torch.Generator().manual_seed(7))
+    normed = hasattr(attn, "q_norm")  # its output is [batch, pos, heads, d_head]
+
+    def heads(fn, n, which, positions=None):
+        flat = on_heads(fn, n, which, positions)
+        return (lambda x: flat(x.flatten(-2)).view_as(x)) if normed else flat
+    q_at, k_at = (attn.q_norm, attn.k_norm) if normed else (attn.q_proj, attn.k_proj)
+    cases = [
+        (SteerSpec.zero(f"q.{L}", heads=[H - 1]), [(q_at, "out", heads(lambda s, h: s * 0, H, [H - 1]))]),
+        (SteerSpec.scale(f"k.{L}", 0.5, heads=[0], positions=(1, 2)),
+         [(k_at, "out", heads(lambda s, h: s * 0.5, KV, [0], (1, 2)))]),
+        (SteerSpec.add(f"v.{L}", kv, scale=2.0), [(attn.v_proj, "out", on_heads(lambda s, h: s + 2.0 * kv[h], KV,
+                                                                                  range(KV)))]),
+        (SteerSpec.scale(f"mlp_pre.{L}", 3.0, neurons=[0, 5]),
+         [(mlp.gate_proj, "out", on_columns(lambda r: r * 3.0, [0, 5]))]),
+        (SteerSpec.zero(f"q.{L}", heads=[0]) | SteerSpec.mean(f"v.{L}", kv, heads=[KV - 1]),
+         [(q_at, "out", heads(lambda s, h: s * 0, H, [0])),
+          (attn.v_proj, "out", on_heads(lambda s, h: kv[h].expand_as(s), KV, [KV - 1]))]),
+    ]
+    plain = hf_last_resid(eager, ids)
+    for spec, edits in cases:
+        want = hf_last_resid(eager, ids, edits)
+        assert not torch.allclose(want, plain)
+        assert_close_scaled(_last(vllm, ids, spec), want, msg=str(spec))
 
 
 def _declared() -> dict:
