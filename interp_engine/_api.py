@@ -320,13 +320,14 @@ def capture_generation(model: Model, tokens: Tokens, points: Sequence[AddressLik
 # ---- async methods (what a server holds) -------------------------------------------
 
 async def _agen_steps(model: Model, prompt: list[int] | None, config: SamplingConfig, plan: Plan,
-                      embeds: torch.Tensor | None = None, capture: Any = None
+                      embeds: torch.Tensor | None = None, capture: Any = None, streaming: bool = True
                       ) -> AsyncIterator[tuple[GenStep, str | None]]:
     _refuse(model, plan)
     deltas = _TextDeltas(model)
     # aclosing: a consumer that stops early (aclose, an exception, a cancel) closes the
     # backend's generator at once, so the request is aborted now, not when it is collected
-    async with contextlib.aclosing(model.backend.agenerate(prompt, config, plan, capture, embeds=embeds)) as raws:
+    async with contextlib.aclosing(model.backend.agenerate(prompt, config, plan, capture, embeds=embeds,
+                                                                    streaming=streaming)) as raws:
         async for raw in raws:
             text = deltas.push(raw.token_id, raw.finish_reason is not None)
             yield GenStep(raw.token_id, text, raw.logprobs, raw.logits, raw.logprob), raw.finish_reason
@@ -351,7 +352,7 @@ def _generate_text(self: Model, token_ids: Tokens, max_tokens: int = 16,
                                     stop_at_eos=stop_at_eos, seed=seed)
 
     async def run() -> str:
-        async with contextlib.aclosing(_agen_steps(self, prompt, config, plan)) as steps:
+        async with contextlib.aclosing(_agen_steps(self, prompt, config, plan, streaming=False)) as steps:
             return "".join([step.token_str async for step, _ in steps])
     return run()
 
@@ -376,7 +377,8 @@ def _generate_stream(self: Model, token_ids: Tokens, max_tokens: int = 16,
 
 async def _collect(model: Model, prompt, config, plan, embeds=None, capture=None):
     steps, finish = [], "length"
-    async with contextlib.aclosing(_agen_steps(model, prompt, config, plan, embeds=embeds, capture=capture)) as items:
+    async with contextlib.aclosing(_agen_steps(model, prompt, config, plan, embeds=embeds, capture=capture,
+                                               streaming=False)) as items:
         async for step, reason in items:
             steps.append(step)
             finish = reason or finish

@@ -69,7 +69,10 @@ class Backend(Protocol):
                  capture: Any = None, embeds: torch.Tensor | None = None) -> Iterator[RawStep]: ...
 
     def agenerate(self, prompt: list[int] | None, config: SamplingConfig, plan: Plan,
-                  capture: Any = None, embeds: torch.Tensor | None = None) -> AsyncIterator[RawStep]: ...
+                  capture: Any = None, embeds: torch.Tensor | None = None,
+                  streaming: bool = True) -> AsyncIterator[RawStep]:
+        """``streaming=False``: the caller wants only the whole result, so the steps may all
+        arrive when the request ends (vLLM then sends one output per request, not per step)."""
 
     def assemble(self, plan: Plan, capture: Any) -> dict[Address, torch.Tensor]:
         """A finished request's captures, ``[1, pos, ...]`` per address read."""

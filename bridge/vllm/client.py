@@ -48,9 +48,9 @@ VALIDATOR = "bridge.vllm.validator:PlanValidator"
 _ids = itertools.count()
 
 
-# points vLLM holds only inside a fused projection: reads are served (with tensor_parallel_size=1),
-# writes are refused
-_FUSED_WRITES = frozenset({"q", "k", "v", "mlp_pre"})
+# points vLLM holds only inside a fused projection (or a per-head norm): reads and writes are
+# served with tensor_parallel_size=1 (each rank holds only its slice of the projection otherwise)
+_FUSED = frozenset({"q", "k", "v", "mlp_pre"})
 # points recomputed from router_logits with the spec's routing rule (bridge/vllm/routing.py)
 _ROUTED = frozenset({"expert_weights", "expert_indices"})
 
@@ -170,6 +170,7 @@ class VllmBackend:
         # callers never wait for a running step to add theirs, so the next step schedules
         # every request that arrived meanwhile together
         self._incoming: list[tuple[_Request, Any, Any]] = []
+        self._kicks: set = set()  # event loops with a driver wake-up pending (_kick)
         self._driver: threading.Thread | None = None
         self._watchdog: threading.Thread | None = None
         self._stop = False
@@ -303,7 +304,7 @@ class VllmBackend:
                 found = self._pattern_refusal(address)
                 if found is not None:
                     return found
-            if address.name in _FUSED_WRITES and self.tensor_parallel_size > 1:
+            if address.name in _FUSED and self.tensor_parallel_size > 1:
                 return CapabilityUnsupported(
                     point.capability or "vllm_architecture", self.name,
                     detail=f"point {address} with tensor_parallel_size={self.tensor_parallel_size}",
@@ -316,12 +317,13 @@ class VllmBackend:
                 point = POINTS[name]
                 return CapabilityUnsupported(point.capability or "vllm_architecture", self.name,
                                              detail=f"a write at {op.address}")
-            if name in _FUSED_WRITES:
+            if name in _FUSED and self.tensor_parallel_size > 1:
                 return CapabilityUnsupported(
-                    POINTS[name].capability or "vllm_architecture", self.name, detail=f"a write at {op.address}",
-                    why="vLLM computes this point as one part of a fused projection (qkv_proj, gate_up_proj), "
-                        "and writes into a part are not lowered there",
-                    instead="write z per head or mlp_act per neuron, or run the write on backend='eager'")
+                    POINTS[name].capability or "vllm_architecture", self.name,
+                    detail=f"a write at {op.address} with tensor_parallel_size={self.tensor_parallel_size}",
+                    why="each rank computes only its own slice of the fused projection (and per-head norm) "
+                        "this point is written in",
+                    instead="load with tensor_parallel_size=1, or use backend='eager'")
             tap = self.spec.vllm_writes.get(name) or self.spec.vllm[name]
             if tap.sharded and self.tensor_parallel_size > 1:
                 return CapabilityUnsupported(
@@ -356,21 +358,24 @@ class VllmBackend:
                                      "would not be the ones vLLM applied", instead="use backend='eager'")
 
     # ---- requests -----------------------------------------------------------------------
-    def _sampling_params(self, config: SamplingConfig, extra: dict | None):
+    def _sampling_params(self, config: SamplingConfig, extra: dict | None, streaming: bool = True):
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
+        kind = RequestOutputKind.DELTA if streaming else RequestOutputKind.FINAL_ONLY
         return SamplingParams(
             max_tokens=config.max_tokens, temperature=float(config.temperature), top_k=int(config.top_k),
             top_p=float(config.top_p), min_p=float(config.min_p), seed=config.seed, logprobs=config.n_logprobs,
-            ignore_eos=not config.stop_at_eos, output_kind=RequestOutputKind.DELTA,
+            ignore_eos=not config.stop_at_eos, output_kind=kind,
             skip_special_tokens=True, detokenize=False, stop_token_ids=list(config.stop_token_ids),
             min_tokens=config.min_tokens, extra_args=extra,
         )
 
     def _add(self, prompt: list[int] | None, config: SamplingConfig, plan: Plan, capture: _Capture | None,
              sink: Callable[[Any], None], embeds: torch.Tensor | None = None,
-             rows_to: dict | None = None) -> _Request:
+             rows_to: dict | None = None, kick: bool = True, streaming: bool = True) -> _Request:
+        """Queue one request (``kick=False``: the caller wakes the driver once it queued all of
+        its batch; ``streaming=False``: its sink gets one output, when it ends)."""
         llm = self._engine()
         for address in plan.reads:
             if address.name == "pattern" and (refused := self._pattern_refusal(address)) is not None:
@@ -386,7 +391,7 @@ class VllmBackend:
         rid = uuid.uuid4().hex
         extra = None if plan.empty else {"interp_engine": plan_to_wire(plan, rid, model=self._fingerprint,
                                                                        sink=rows_to)}
-        params = self._sampling_params(config, extra)
+        params = self._sampling_params(config, extra, streaming)
         external = f"interp-{next(_ids)}-{rid[:8]}"
         request = _Request(external, rid, plan, prompt_len, capture, sink)
         if capture is not None:
@@ -398,8 +403,30 @@ class VllmBackend:
             return request
         with self._wake:
             self._incoming.append((request, engine_prompt, params))
-        self._ensure_driver()
+        if kick:
+            self._kick()
         return request
+
+    def _kick(self) -> None:
+        """Wake the driver for the requests just queued. From an event loop, once at the end of
+        the loop's current round: requests that arrive together (``asyncio.gather``) then enter
+        the engine's first step together, instead of the first alone while the rest queue for
+        the next step (which doubles a batch of short requests' time)."""
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._ensure_driver()
+            return
+        with self._wake:
+            if loop in self._kicks:
+                return
+            self._kicks.add(loop)
+
+        def kick():
+            with self._wake:
+                self._kicks.discard(loop)
+            self._ensure_driver()
+        loop.call_soon(kick)
 
     def _admit(self, llm) -> None:
         """Hand the waiting requests to the engine (the driver, holding _lock, before a step).
@@ -615,13 +642,14 @@ class VllmBackend:
             self._abort(request)
 
     async def agenerate(self, prompt: list[int] | None, config: SamplingConfig, plan: Plan,
-                        capture: _Capture | None = None, embeds: torch.Tensor | None = None
-                        ) -> AsyncIterator[RawStep]:
+                        capture: _Capture | None = None, embeds: torch.Tensor | None = None,
+                        streaming: bool = True) -> AsyncIterator[RawStep]:
         """Asynchronous generation on any event loop: concurrent requests share engine steps."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
         request = self._add(prompt, config, plan, capture,
-                            lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out), embeds)
+                            lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out), embeds,
+                            streaming=streaming)
         try:
             while True:
                 if self.in_process:
@@ -666,7 +694,8 @@ class VllmBackend:
                     i = todo.popleft()
                     sink = {"path": path, "offsets": offsets(i), "positions": positions}
                     live[i] = (self._add(windows[i], config, plan, _Capture(), lambda out, i=i: done.put((i, out)),
-                                         rows_to=sink), [])
+                                         rows_to=sink, kick=False, streaming=False), [])
+                self._ensure_driver()  # the windows just queued enter one step together
                 if self.in_process:
                     while done.empty():
                         if not self._pump() and done.empty():
