@@ -265,8 +265,7 @@ class Runtime:
         request.capacity = max(16, request.prompt_len + min(256, int(getattr(params, "max_tokens", 0) or 0)))
         try:
             request.vectors = [op.vector.to(self.device, self.dtype) for op in plan.writes]
-            request.columns = [None if op.columns is None else torch.tensor(op.columns, device=self.device)
-                               for op in plan.writes]
+            request.columns = [self._columns(op) for op in plan.writes]
             if self.static is not None:
                 self.static.admit(request)
                 plan = WirePlan(plan.rid, (), ())  # nothing for hooks below
@@ -279,6 +278,14 @@ class Runtime:
             request.error = f"cannot serve this plan here: {exc!r}"
         self.by_rid[plan.rid] = request
         return request
+
+    def _columns(self, op) -> torch.Tensor | None:
+        """The columns of the hooked tensor ``op`` writes: its selected heads or neurons (every
+        column with no selector), placed inside their part of a fused output (q of qkv_proj)."""
+        split = self._tap(op.address.name, True).split
+        if split is None:
+            return None if op.columns is None else torch.tensor(op.columns, device=self.device)
+        return torch.tensor(split.columns(self.graph, op.columns), device=self.device)
 
     def _tap(self, name: str, writing: bool) -> VllmTap:
         if writing and name in self.spec.vllm_writes:
@@ -362,6 +369,30 @@ class Runtime:
         x[s:e] = apply_write(op.op, x[s:e], request.vectors[i], sel, None if base is None else base[s:e],
                              cols=request.columns[i])
 
+    @staticmethod
+    def _add_together(writes: list, x: torch.Tensor) -> list:
+        """The writes that add a vector at every position of their request (steering's usual
+        op), each the only write of its request here, done in one ``index_add_`` over all their
+        rows (the same sums the one-by-one writes make); the other writes, left for those."""
+        mine = collections.Counter(id(w[2]) for w in writes)
+        together, rest = [], []
+        for w in writes:
+            op = w[2].plan.writes[w[3]]
+            simple = op.op == "add" and op.positions == "all" and op.columns is None and mine[id(w[2])] == 1
+            (together if simple else rest).append(w)
+        if len(together) < 2:
+            return writes
+        rows, vectors, counts = [], [], []
+        for _, _, request, i, s, e in together:
+            rows.extend(range(s, e))
+            vectors.append(request.vectors[i])
+            counts.append(e - s)
+        delta = torch.stack(vectors)
+        if len(rows) != len(together):  # a request with several rows here (a prompt)
+            delta = delta.repeat_interleave(torch.tensor(counts, device=delta.device), dim=0)
+        x.index_add_(0, torch.tensor(rows, device=x.device), delta.to(x.dtype))
+        return rest
+
     def _read(self, request: _Request, address: Address, rows: torch.Tensor, s: int, e: int) -> None:
         """``rows`` (already copied to the CPU) are rows s:e of this forward."""
         if e <= s:
@@ -381,6 +412,11 @@ class Runtime:
         writes = [w for w in work if w[0] == "w" and w[1] == source and w[2].error is None]
         if writes:
             x = x.clone()
+            if len(writes) > 1:
+                try:
+                    writes = self._add_together(writes, x)
+                except Exception:  # each write on its own below, where a failure is its request's
+                    log.exception("interp_engine runtime: adding the steering vectors together failed")
             for _, _, request, i, s, e in writes:
                 self._guard(request, self._write, request, i, x, s, e, base)
         reads = [w for w in work if w[0] == "r" and w[1] == source and w[2].error is None]
@@ -447,9 +483,13 @@ class Runtime:
             weights, indices = route(logits, *self.routing)
             self._apply(work, "route_weights", weights.to(logits.dtype), None, lambda v: v)
             self._apply(work, "route_indices", indices, None, lambda v: v)
-        if "heads_out" in sources:  # read only: a per-head module's [tokens, heads, d_head] output
+        if "heads_out" in sources:  # a per-head module's [tokens, heads, d_head] output
             first = out[0] if isinstance(out, tuple) else out
-            self._apply(work, "heads_out", first.flatten(-2), None, lambda v: v)
+            flat = first.flatten(-2)
+            new = self._apply(work, "heads_out", flat, None, lambda v: v)
+            if new is not flat:
+                new = new.view_as(first)
+                return (new,) + tuple(out[1:]) if isinstance(out, tuple) else new
         if "module_out" in sources:
             first = out[0] if isinstance(out, tuple) else out
             flat = first.reshape(-1, first.shape[-1])

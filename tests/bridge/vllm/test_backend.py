@@ -174,6 +174,32 @@ def test_concurrent_async_requests_each_get_their_own_result(pair):
     assert len(set(concurrent)) > 1
 
 
+def test_concurrent_requests_adding_different_vectors_each_get_their_own(model_pool):
+    """The worker adds the vectors of the requests that each add one at every position in one
+    step-wide sum: each request must still get its own vector on its own rows (prompt rows in
+    the first step, one row per decode step), next to requests that steer otherwise or not at all."""
+    eager, vllm = model_pool.get("qwen3"), model_pool.get("qwen3", "vllm", enable_prompt_embeds=True)
+    L, last = 1, Address("resid_post", eager.n_layers - 1)
+    g = torch.Generator().manual_seed(11)
+    vectors = [torch.randn(eager.d_model, generator=g) for _ in range(4)]
+    specs = [SteerSpec.add(f"resid_post.{L}", v, scale=4.0) for v in vectors]
+    specs += [SteerSpec.add(f"resid_post.{L}", vectors[0], scale=4.0, positions="prompt"), None,
+              SteerSpec.add(f"resid_post.{L}", vectors[1], scale=4.0) | SteerSpec.scale(f"resid_post.{L}", 0.5)]
+    prompts = [eager.to_tokens(PROMPTS[i % len(PROMPTS)])[:, : 5 + i] for i in range(len(specs))]
+
+    async def run(model):
+        return await asyncio.gather(*[model.capture_generation(p, [last], max_tokens=6, temperature=0.0,
+                                                               stop_at_eos=False, steer=s)
+                                      for p, s in zip(prompts, specs)])
+
+    got = asyncio.run(run(vllm))
+    for k, (p, s) in enumerate(zip(prompts, specs)):
+        want = asyncio.run(eager.capture_generation(p, [last], max_tokens=6, temperature=0.0, stop_at_eos=False,
+                                                    steer=s))
+        assert got[k][0].token_ids == want[0].token_ids, f"request {k}: {s}"
+        assert_close_scaled(got[k][1][last], want[1][last], msg=f"request {k}: {s}")
+
+
 def test_async_stream_and_full(pair):
     _, vllm = pair
     tokens = vllm.to_tokens(PROMPTS[1])
