@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import statistics
 import time
-from typing import Callable
+from typing import Callable, Iterable
 
 
 def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 3) -> dict[str, float]:
@@ -20,6 +21,18 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warm
             fn()
             samples[name].append(time.perf_counter() - t0)
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def gathered(make: Callable[[], Iterable]) -> Callable[[], None]:
+    """A timed function: one ``asyncio.run`` of the coroutines ``make()`` returns, gathered
+    (concurrent requests), whose results are dropped inside the loop once all are in. Python
+    3.11's ``asyncio.run`` formats the repr of the result its coroutine returns (its SIGINT
+    handler's repr holds the main task), which for captured tensors takes longer than the
+    requests did: returning them would time ``repr``, not the engine."""
+    async def go() -> None:
+        results = await asyncio.gather(*make())
+        del results
+    return lambda: asyncio.run(go())
 
 
 def report(title: str, medians: dict[str, float], baseline: str, targets: dict[str, str] | None = None) -> None:

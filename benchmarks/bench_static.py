@@ -20,12 +20,11 @@ All engines stay up and the variants run interleaved, so machine noise hits them
 from __future__ import annotations
 
 import argparse
-import asyncio
 import os
 
 import torch
 
-from _timing import interleaved_medians, report
+from _timing import gathered, interleaved_medians, report
 
 
 def main() -> None:
@@ -71,24 +70,16 @@ def main() -> None:
                 return lambda: llm.generate([{"prompt_token_ids": p} for p in prompts], greedy, use_tqdm=False)
 
             def capture(model):
-                async def go():
-                    return await asyncio.gather(*[model.capture_generation(p, points, max_tokens=tokens,
-                                                                           temperature=0.0, stop_at_eos=False)
-                                                  for p in prompts])
-                return lambda: asyncio.run(go())
+                return gathered(lambda: [model.capture_generation(p, points, max_tokens=tokens, temperature=0.0,
+                                                                  stop_at_eos=False) for p in prompts])
 
             def steered(model):
-                async def go():
-                    return await asyncio.gather(*[model.generate_text(p, max_tokens=tokens, temperature=0.0,
-                                                                      stop_at_eos=False, steer=spec)
-                                                  for p in prompts])
-                return lambda: asyncio.run(go())
+                return gathered(lambda: [model.generate_text(p, max_tokens=tokens, temperature=0.0,
+                                                             stop_at_eos=False, steer=spec) for p in prompts])
 
             def unsteered(model):
-                async def go():
-                    return await asyncio.gather(*[model.generate_text(p, max_tokens=tokens, temperature=0.0,
-                                                                      stop_at_eos=False) for p in prompts])
-                return lambda: asyncio.run(go())
+                return gathered(lambda: [model.generate_text(p, max_tokens=tokens, temperature=0.0,
+                                                             stop_at_eos=False) for p in prompts])
 
             medians = interleaved_medians({
                 "plain compiled vLLM (llm.generate)": raw(plain),

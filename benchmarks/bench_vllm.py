@@ -22,13 +22,12 @@ shape), random weights built locally.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import gc
 import os
 
 import torch
 
-from _timing import interleaved_medians
+from _timing import gathered, interleaved_medians
 
 TARGETS = {"capture": 1.15, "steer": 1.05}
 
@@ -72,11 +71,7 @@ def _shape(name: str, in_process: bool, args) -> dict[str, dict[str, float]]:
             return run
 
         def through(make, prompts=prompts):
-            def run():
-                async def go():
-                    return await asyncio.gather(*[make(p) for p in prompts])
-                asyncio.run(go())
-            return run
+            return gathered(lambda: [make(p) for p in prompts])
 
         fns = {
             "plain eager vLLM": plain(eager),
