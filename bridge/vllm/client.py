@@ -46,6 +46,7 @@ __all__ = ["VllmBackend", "check_engine_kwargs"]
 EXTENSION = "bridge.vllm.worker.InterpWorkerExtension"
 VALIDATOR = "bridge.vllm.validator:PlanValidator"
 _ids = itertools.count()
+_PROCESS = uuid.uuid4().hex[:16]  # this client process's part of every request id
 
 
 # points vLLM holds only inside a fused projection (or a per-head norm): reads and writes are
@@ -388,11 +389,12 @@ class VllmBackend:
         else:
             engine_prompt = {"prompt_token_ids": list(prompt)}
             prompt_len = len(prompt)
-        rid = uuid.uuid4().hex
+        n = next(_ids)
+        rid = f"{_PROCESS}{n:x}"  # unique across clients of one worker (os.urandom per request is slow)
         extra = None if plan.empty else {"interp_engine": plan_to_wire(plan, rid, model=self._fingerprint,
                                                                        sink=rows_to)}
         params = self._sampling_params(config, extra, streaming)
-        external = f"interp-{next(_ids)}-{rid[:8]}"
+        external = f"interp-{n}-{_PROCESS[:8]}"
         request = _Request(external, rid, plan, prompt_len, capture, sink)
         if capture is not None:
             capture.rid = rid
