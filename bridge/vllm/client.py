@@ -171,6 +171,9 @@ class VllmBackend:
         # callers never wait for a running step to add theirs, so the next step schedules
         # every request that arrived meanwhile together
         self._incoming: list[tuple[_Request, Any, Any]] = []
+        # requests queued from an event loop and not yet released to the driver (_kick): the
+        # driver, between two steps or waking from its poll, takes only released ones
+        self._queued: list[tuple[_Request, Any, Any]] = []
         self._kicks: set = set()  # event loops with a driver wake-up pending (_kick)
         self._driver: threading.Thread | None = None
         self._watchdog: threading.Thread | None = None
@@ -374,9 +377,10 @@ class VllmBackend:
 
     def _add(self, prompt: list[int] | None, config: SamplingConfig, plan: Plan, capture: _Capture | None,
              sink: Callable[[Any], None], embeds: torch.Tensor | None = None,
-             rows_to: dict | None = None, kick: bool = True, streaming: bool = True) -> _Request:
-        """Queue one request (``kick=False``: the caller wakes the driver once it queued all of
-        its batch; ``streaming=False``: its sink gets one output, when it ends)."""
+             rows_to: dict | None = None, streaming: bool = True) -> _Request:
+        """Queue one request; the caller hands it to the driver (``_release`` now, or ``_kick``
+        at the end of its event loop's round). ``streaming=False``: its sink gets one output,
+        when it ends."""
         llm = self._engine()
         for address in plan.reads:
             if address.name == "pattern" and (refused := self._pattern_refusal(address)) is not None:
@@ -404,21 +408,16 @@ class VllmBackend:
                 self._requests[external] = request
             return request
         with self._wake:
-            self._incoming.append((request, engine_prompt, params))
-        if kick:
-            self._kick()
+            self._queued.append((request, engine_prompt, params))
         return request
 
     def _kick(self) -> None:
-        """Wake the driver for the requests just queued. From an event loop, once at the end of
-        the loop's current round: requests that arrive together (``asyncio.gather``) then enter
-        the engine's first step together, instead of the first alone while the rest queue for
-        the next step (which doubles a batch of short requests' time)."""
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self._ensure_driver()
-            return
+        """Release the queued requests once, at the end of the running event loop's current
+        round: requests that arrive together (``asyncio.gather``) then enter the engine's first
+        step together, instead of the first alone while the rest wait for the next step (which
+        doubles a batch of short requests' time). Only for callers that await their outputs on
+        that loop: a synchronous caller blocks it, and releases at once."""
+        loop = asyncio.get_running_loop()
         with self._wake:
             if loop in self._kicks:
                 return
@@ -427,8 +426,15 @@ class VllmBackend:
         def kick():
             with self._wake:
                 self._kicks.discard(loop)
-            self._ensure_driver()
+            self._release()
         loop.call_soon(kick)
+
+    def _release(self) -> None:
+        """Hand every queued request to the driver at once, and wake it."""
+        with self._wake:
+            self._incoming += self._queued
+            self._queued = []
+        self._ensure_driver()
 
     def _admit(self, llm) -> None:
         """Hand the waiting requests to the engine (the driver, holding _lock, before a step).
@@ -547,8 +553,8 @@ class VllmBackend:
 
     def _fail_all(self, exc: BaseException) -> None:
         with self._wake:
-            waiting = [item[0] for item in self._incoming]
-            self._incoming = []
+            waiting = [item[0] for item in self._incoming + self._queued]
+            self._incoming, self._queued = [], []
         waiting += list(self._requests.values())
         self._requests.clear()
         for request in waiting:
@@ -562,8 +568,9 @@ class VllmBackend:
             # driver is running, and an async caller would block its event loop for that long.
             return
         with self._wake:
-            if any(item[0] is request for item in self._incoming):
+            if any(item[0] is request for item in self._incoming + self._queued):
                 self._incoming = [item for item in self._incoming if item[0] is not request]
+                self._queued = [item for item in self._queued if item[0] is not request]
                 request.finished = True
         with self._lock:
             if not request.finished and self._llm is not None:
@@ -624,6 +631,7 @@ class VllmBackend:
         """Synchronous generation: the driver thread steps the engine; this waits for its outputs."""
         outputs: queue.SimpleQueue = queue.SimpleQueue()
         request = self._add(prompt, config, plan, capture, outputs.put, embeds)
+        self._release()
         try:
             while True:
                 if self.in_process:
@@ -652,6 +660,7 @@ class VllmBackend:
         request = self._add(prompt, config, plan, capture,
                             lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out), embeds,
                             streaming=streaming)
+        self._kick()
         try:
             while True:
                 if self.in_process:
@@ -696,8 +705,8 @@ class VllmBackend:
                     i = todo.popleft()
                     sink = {"path": path, "offsets": offsets(i), "positions": positions}
                     live[i] = (self._add(windows[i], config, plan, _Capture(), lambda out, i=i: done.put((i, out)),
-                                         rows_to=sink, kick=False, streaming=False), [])
-                self._ensure_driver()  # the windows just queued enter one step together
+                                         rows_to=sink, streaming=False), [])
+                self._release()  # the windows just queued enter one step together
                 if self.in_process:
                     while done.empty():
                         if not self._pump() and done.empty():
