@@ -381,7 +381,7 @@ class VllmBackend:
         """Queue one request; the caller hands it to the driver (``_release`` now, or ``_kick``
         at the end of its event loop's round). ``streaming=False``: its sink gets one output,
         when it ends."""
-        llm = self._engine()
+        self._engine()
         for address in plan.reads:
             if address.name == "pattern" and (refused := self._pattern_refusal(address)) is not None:
                 raise refused
@@ -402,11 +402,6 @@ class VllmBackend:
         request = _Request(external, rid, plan, prompt_len, capture, sink)
         if capture is not None:
             capture.rid = rid
-        if self.in_process:
-            with self._lock:
-                llm.llm_engine.add_request(external, engine_prompt, params)
-                self._requests[external] = request
-            return request
         with self._wake:
             self._queued.append((request, engine_prompt, params))
         return request
@@ -437,7 +432,7 @@ class VllmBackend:
         self._ensure_driver()
 
     def _admit(self, llm) -> None:
-        """Hand the waiting requests to the engine (the driver, holding _lock, before a step).
+        """Hand the released requests to the engine (the pump, holding _lock, before a step).
         A request the engine refuses gets the engine's own exception through its sink."""
         with self._wake:
             incoming, self._incoming = self._incoming, []
@@ -474,8 +469,7 @@ class VllmBackend:
             llm = self._llm
             if llm is None:
                 return False
-            if not self.in_process:
-                self._admit(llm)
+            self._admit(llm)
             if not llm.llm_engine.has_unfinished_requests():
                 return False
             try:
@@ -665,8 +659,10 @@ class VllmBackend:
             while True:
                 if self.in_process:
                     while outputs.empty():
-                        self._pump()  # this loop's thread steps the engine; others run between steps
+                        # yield first: the requests gathered with this one queue theirs, and the
+                        # kick releases them all, before this loop's thread steps the engine
                         await asyncio.sleep(0)
+                        self._pump()
                 out = await outputs.get()
                 if isinstance(out, _Refused):
                     raise out.exc

@@ -152,13 +152,21 @@ def test_an_error_inside_the_runtime_fails_only_its_request(monkeypatch, model_p
             return real(kind, x, vec, sel, base, **kwargs)
 
         monkeypatch.setattr(runtime_module, "apply_write", faulty)
-        bad = SteerSpec.add("resid_post.1", marker, scale=2.0)
+        # at the prompt only: a write of its own (the adds at every position of several
+        # requests at one site are done together, without apply_write)
+        bad = SteerSpec.add("resid_post.1", marker, scale=2.0, positions="prompt")
 
         async def together():
             jobs = [vllm.generate_text(tokens, max_tokens=8, temperature=0.0, steer=s) for s in (bad, good, None)]
             return await asyncio.gather(*jobs, return_exceptions=True)
 
+        forwards = vllm.backend.worker_stats()[0]["forwards"]
         failed, steered, plain = asyncio.run(together())
+        # gathered requests enter the in-process engine's first step together too (its callers
+        # step it: the first used to step it with its own request alone, then two, then three)
+        stats = vllm.backend.worker_stats()[0]
+        rows = stats["forward_rows"][len(stats["forward_rows"]) - (stats["forwards"] - forwards):]
+        assert rows[:2] == [3 * tokens.shape[1], 3], rows
         assert isinstance(failed, RuntimeError) and "planted fault in a write" in str(failed)
         with steer(eager, good):
             expected = eager.to_string([s.token_id for s in generate_stream(eager, tokens, max_tokens=8,
@@ -256,15 +264,8 @@ def test_a_dead_engine_core_fails_its_request_instead_of_hanging():
         model.close()
 
 
-def test_requests_gathered_together_are_handed_to_the_engine_together(pair, monkeypatch):
-    """Concurrent requests from one event loop reach the engine in one hand-over, so they can
-    share its first step (the driver used to take the first alone while the rest waited a
-    step, which doubled a batch of short requests' time). A synchronous call made inside a
-    running loop hands its request over at once (it blocks that loop)."""
-    _, vllm = pair
-    backend = vllm.backend
-    ids = vllm.to_tokens(PROMPT)[0].tolist()
-    prompts = [ids[: 3 + i] for i in range(8)]
+def _count_handovers(backend, monkeypatch) -> list[int]:
+    """A list that gets, at each hand-over of requests to the engine, how many were handed."""
     handed, admit = [], backend._admit
 
     def counting(llm):
@@ -272,6 +273,18 @@ def test_requests_gathered_together_are_handed_to_the_engine_together(pair, monk
             handed.append(len(backend._incoming))
         return admit(llm)
     monkeypatch.setattr(backend, "_admit", counting)
+    return handed
+
+
+def test_requests_gathered_together_are_handed_to_the_engine_together(pair, monkeypatch):
+    """Concurrent requests from one event loop reach the engine in one hand-over, so they can
+    share its first step (the driver used to take the first alone while the rest waited a
+    step, which doubled a batch of short requests' time). A synchronous call made inside a
+    running loop hands its request over at once (it blocks that loop)."""
+    _, vllm = pair
+    ids = vllm.to_tokens(PROMPT)[0].tolist()
+    prompts = [ids[: 3 + i] for i in range(8)]
+    handed = _count_handovers(vllm.backend, monkeypatch)
 
     async def go():
         await asyncio.gather(*[vllm.generate_full(p, max_tokens=1, temperature=0.0, stop_at_eos=False)
