@@ -31,6 +31,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -38,6 +39,7 @@ from interp_engine._address import Address
 from interp_engine._ops import apply_write, route, select_rows, stored
 from specs import ArchSpec, VllmTap
 
+from .buffers import Arena, Buffer
 from .wire import WirePlan, plan_from_args, process_registry, tensor_to_wire
 
 __all__ = ["Runtime"]
@@ -50,69 +52,6 @@ _ROUTE_SOURCES = frozenset({"route_weights", "route_indices"})
 _FINISHED_KEEP = 4096  # finished requests whose captures wait for their client, at most
 
 
-class _Buffer:
-    """One request's rows of one point: a CPU buffer indexed by absolute position (sized for
-    the whole request when it is admitted, grown if a request outlives that), and which
-    positions it holds (a recomputed position keeps its last value). Which positions were
-    written is kept as plain ints: every position below ``covered`` is written, ``gaps`` holds
-    written spans above it (none unless rows arrive out of order)."""
-
-    __slots__ = ("data", "filled", "covered", "gaps", "hint")
-
-    def __init__(self, hint: int = 16) -> None:
-        self.data: torch.Tensor | None = None
-        self.filled = 0  # 1 + the highest position written
-        self.covered = 0  # positions [0, covered) are all written
-        self.gaps: list[tuple[int, int]] = []
-        self.hint = hint
-
-    def _room(self, top: int, rows: torch.Tensor) -> None:
-        if self.data is None or top > self.data.shape[0]:
-            capacity = max(top, self.hint) if self.data is None else max(top, 2 * self.data.shape[0])
-            grown = torch.empty((capacity,) + tuple(rows.shape[1:]), dtype=rows.dtype)
-            if self.data is not None:
-                grown[: self.filled] = self.data[: self.filled]
-            self.data = grown
-
-    def _mark(self, first: int, top: int) -> None:
-        self.filled = max(self.filled, top)
-        if first > self.covered:
-            self.gaps.append((first, top))
-            return
-        self.covered = max(self.covered, top)
-        if self.gaps:
-            self.gaps.sort()
-            left = []
-            for lo, hi in self.gaps:
-                if lo <= self.covered:
-                    self.covered = max(self.covered, hi)
-                else:
-                    left.append((lo, hi))
-            self.gaps = left
-
-    def put(self, first: int, rows: torch.Tensor) -> None:
-        """``rows`` at positions ``first, first + 1, ...`` (what one forward holds of a request)."""
-        top = first + rows.shape[0]
-        if top == first:
-            return
-        self._room(top, rows)
-        self.data[first:top] = rows
-        self._mark(first, top)
-
-    def put_at(self, positions: torch.Tensor, rows: torch.Tensor) -> None:
-        """``rows`` at arbitrary ``positions`` (int64 ``[rows]``)."""
-        if positions.numel() == 0:
-            return
-        index = positions.long()
-        self._room(int(index.max()) + 1, rows)
-        self.data.index_copy_(0, index, rows)
-        for p in sorted(set(index.tolist())):
-            self._mark(p, p + 1)
-
-    def complete(self, rows: int) -> bool:
-        return self.data is not None and self.covered >= rows
-
-
 @dataclass(eq=False)
 class _Request:
     """One request's plan and state inside this worker."""
@@ -121,11 +60,17 @@ class _Request:
     prompt_len: int
     vectors: list[torch.Tensor] = field(default_factory=list)  # effective vectors on the device
     columns: list[torch.Tensor | None] = field(default_factory=list)  # each write's selected columns
-    buffers: dict[tuple, _Buffer] = field(default_factory=dict)
+    buffers: dict[Address, Buffer] = field(default_factory=dict)
     error: str | None = None
     capacity: int = 16  # positions it can reach (prompt + max_tokens): each buffer's first size
     # its work at each hooked site, worked out once: (site, before the module?, entry without rows)
     work: list[tuple[_Site, bool, tuple]] | None = None
+
+    def drop(self) -> None:
+        """Let its captured rows go."""
+        for buffer in self.buffers.values():
+            buffer.drop()
+        self.buffers.clear()
 
 
 class _Wrapped:
@@ -176,6 +121,10 @@ class Runtime:
         self.positions: torch.Tensor | None = None
         self.pos_np = None  # the same positions as a numpy view (cheap ints in the hooks)
         self.active: list[tuple[_Request, int, int]] = []
+        self._layout: tuple | None = None  # the last forward's (request ids, row starts)
+        self._stale = True  # lay the next forward out afresh even if its layout is the last one's
+        self._worked: dict[tuple[int, str], tuple] = {}  # each site's work, worked out (_apply)
+        self.arenas: dict[Address, Arena] = {}  # each point's rows, for all its readers (buffers.py)
         self.lock = threading.Lock()
         self.device = next(self.root.parameters()).device
         self.dtype = next(self.root.parameters()).dtype
@@ -204,14 +153,13 @@ class Runtime:
                 request.error = request.error or f"row map failed: {exc!r}"
             self._clear_sites()
             self.active = []
+            self._stale = True
             if self.static is not None:
                 self.static.fill([], None)
         return None
 
     def _map_rows(self, positions: torch.Tensor | None) -> None:
         runner = self.runner
-        self._clear_sites()
-        self.active = []
         batch = runner.input_batch
         num_reqs = batch.num_reqs
         ids = batch.req_ids[:num_reqs]
@@ -220,16 +168,14 @@ class Runtime:
             self.forward_rows.append(int(positions.shape[0]))
         if self.requests:
             self._sweep()
-        starts = None
-        for j, req_id in enumerate(ids):
-            request = self.requests.get(req_id, False)
-            if request is False:
-                request = self.requests[req_id] = self._admit(req_id)
-            if request is None or request.error is not None:
-                continue
-            if starts is None:
-                starts = runner.query_start_loc.np[: num_reqs + 1].tolist()
-            self.active.append((request, starts[j], starts[j + 1]))
+        starts = runner.query_start_loc.np[: num_reqs + 1].tolist()
+        layout = (tuple(ids), tuple(starts))
+        # a decode step usually holds the same requests' rows where the last one did: then the
+        # sites' work (and each site's worked-out writes and reads) carries over, and only the
+        # positions are new
+        if layout != self._layout or self._stale or any(r.error is not None for r, _, _ in self.active):
+            self._lay_out(ids, starts)
+            self._layout, self._stale = layout, False
         if not self.active:
             self.positions = None
             if self.static is not None:
@@ -240,9 +186,22 @@ class Runtime:
         self.pos_np = self.positions.numpy() if self.positions is not None else None
         if self.static is not None:  # row maps for the compiled taps instead of hook work
             self.static.fill(self.active, self.positions)
-            return
-        for request, s, e in self.active:
-            self._plan_rows(request, s, e)
+
+    def _lay_out(self, ids: list[str], starts: list[int]) -> None:
+        """Which requests' rows this forward holds, and each hooked site's work for them."""
+        self._clear_sites()
+        self._worked = {}
+        self.active = []
+        for j, req_id in enumerate(ids):
+            request = self.requests.get(req_id, False)
+            if request is False:
+                request = self.requests[req_id] = self._admit(req_id)
+            if request is None or request.error is not None:
+                continue
+            self.active.append((request, starts[j], starts[j + 1]))
+        if self.static is None:
+            for request, s, e in self.active:
+                self._plan_rows(request, s, e)
 
     def _admit(self, req_id: str) -> _Request | None:
         state = self.runner.requests.get(req_id)
@@ -357,8 +316,12 @@ class Runtime:
         try:
             fn(*args)
         except Exception as exc:
-            log.exception("interp_engine runtime: request %s failed", request.plan.rid)
-            request.error = request.error or f"{type(exc).__name__}: {exc}"
+            self._failed(request, exc)
+
+    @staticmethod
+    def _failed(request: _Request, exc: Exception) -> None:
+        log.exception("interp_engine runtime: request %s failed", request.plan.rid)
+        request.error = request.error or f"{type(exc).__name__}: {exc}"
 
     def _write(self, request: _Request, i: int, x: torch.Tensor, s: int, e: int,
                base: torch.Tensor | None) -> None:
@@ -369,11 +332,11 @@ class Runtime:
         x[s:e] = apply_write(op.op, x[s:e], request.vectors[i], sel, None if base is None else base[s:e],
                              cols=request.columns[i])
 
-    @staticmethod
-    def _add_together(writes: list, x: torch.Tensor) -> list:
+    def _together(self, writes: list) -> tuple[torch.Tensor, torch.Tensor, list, list] | None:
         """The writes that add a vector at every position of their request (steering's usual
-        op), each the only write of its request here, done in one ``index_add_`` over all their
-        rows (the same sums the one-by-one writes make); the other writes, left for those."""
+        op), each the only write of its request here, to be done in one ``index_add_`` over all
+        their rows (the same sums the one-by-one writes make): ``(rows, vectors per row, those
+        writes, the other writes)``; None if fewer than two such writes."""
         mine = collections.Counter(id(w[2]) for w in writes)
         together, rest = [], []
         for w in writes:
@@ -381,7 +344,7 @@ class Runtime:
             simple = op.op == "add" and op.positions == "all" and op.columns is None and mine[id(w[2])] == 1
             (together if simple else rest).append(w)
         if len(together) < 2:
-            return writes
+            return None
         rows, vectors, counts = [], [], []
         for _, _, request, i, s, e in together:
             rows.extend(range(s, e))
@@ -390,8 +353,71 @@ class Runtime:
         delta = torch.stack(vectors)
         if len(rows) != len(together):  # a request with several rows here (a prompt)
             delta = delta.repeat_interleave(torch.tensor(counts, device=delta.device), dim=0)
-        x.index_add_(0, torch.tensor(rows, device=x.device), delta.to(x.dtype))
+        return torch.tensor(rows, device=delta.device), delta, together, rest
+
+    def _worked_out(self, work: list, source: str) -> tuple:
+        """``work``'s writes and reads of ``source``, in the form ``_apply`` runs them: kept
+        while the forward's layout holds (``_lay_out`` starts afresh)."""
+        writes = [w for w in work if w[0] == "w" and w[1] == source and w[2].error is None]
+        together = None
+        if len(writes) > 1:
+            try:
+                together = self._together(writes)
+            except Exception:  # each write on its own, where a failure is its request's
+                log.exception("interp_engine runtime: gathering the steering vectors failed")
+        reads = [(request, address, s, e, self._tap(address.name, False).split)
+                 for kind, src, request, address, s, e in work if kind == "r" and src == source
+                 and request.error is None]
+        span = (min(r[2] for r in reads), max(r[3] for r in reads)) if reads else (0, 0)
+        return writes, together, reads, span, self._decode_reads(reads, span[0])
+
+    def _decode_reads(self, reads: list, lo: int) -> tuple | None:
+        """Readers of one point with one row each in this forward (a decode step), whole rows:
+        ``(arena, which of the copied rows go in, in order (None: all), buffers, their rows)`` for
+        one ``index_copy_`` per step; None if the reads are not like that."""
+        if len(reads) < 2 or len({r[1] for r in reads}) != 1 or any(r[3] - r[2] != 1 or r[4] is not None
+                                                                       for r in reads):
+            return None
+        address = reads[0][1]
+        buffers = []
+        for request, _, _, _, _ in reads:
+            buffer = request.buffers.get(address) or self._buffer(request, address)
+            if buffer.arena is not self.arenas[address]:
+                return None
+            buffers.append(buffer)
+        rows = [r[2] for r in reads]
+        offsets = [s - lo for s in rows]
+        which = None if offsets == list(range(len(offsets))) else torch.tensor(offsets)
+        return self.arenas[address], which, buffers, np.array(rows)
+
+    def _read_decode(self, decode: tuple, rows: torch.Tensor) -> list[int]:
+        """One decode step's rows of its readers into their arena regions, in one copy; the
+        readers left out (by index), to be read on their own: those whose row is not the next
+        position they expect, or would not fit their region (or have none yet)."""
+        arena, which, buffers, at_rows = decode
+        at, taken, rest = [], [], []
+        for i, (buffer, p) in enumerate(zip(buffers, self.pos_np[at_rows].tolist())):
+            if p == buffer.covered and p < buffer.size and buffer.start >= 0 and not buffer.gaps:
+                at.append(buffer.start + p)
+                taken.append(buffer)
+            else:
+                rest.append(i)
+        if rest:
+            keep = sorted(set(range(len(buffers))) - set(rest))
+            which = (torch.arange(rows.shape[0]) if which is None else which)[keep]
+        if at:
+            arena.put(torch.tensor(at), rows if which is None else rows.index_select(0, which))
+            for buffer in taken:  # in order: the next position is written
+                buffer.covered += 1
+                if buffer.covered > buffer.filled:
+                    buffer.filled = buffer.covered
         return rest
+    def _buffer(self, request: _Request, address: Address) -> Buffer:
+        arena = self.arenas.get(address)
+        if arena is None:
+            arena = self.arenas[address] = Arena()
+        buffer = request.buffers[address] = Buffer(request.capacity, arena)
+        return buffer
 
     def _read(self, request: _Request, address: Address, rows: torch.Tensor, s: int, e: int) -> None:
         """``rows`` (already copied to the CPU) are rows s:e of this forward."""
@@ -399,9 +425,10 @@ class Runtime:
             return
         buffer = request.buffers.get(address)
         if buffer is None:
-            buffer = request.buffers[address] = _Buffer(request.capacity)
-        first = int(self.pos_np[s])
-        if int(self.pos_np[e - 1]) - first + 1 == e - s:  # one forward's rows of a request: always, bar drafts
+            buffer = self._buffer(request, address)
+        pos = self.pos_np
+        first = int(pos[s])
+        if e - s == 1 or int(pos[e - 1]) - first + 1 == e - s:  # one forward's rows of a request: always, bar drafts
             buffer.put(first, rows)
         else:
             buffer.put_at(self.positions[s:e], rows)
@@ -409,30 +436,40 @@ class Runtime:
     def _apply(self, work: list, source: str, x: torch.Tensor, base: torch.Tensor | None,
                read_value: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         """Writes of ``source`` on a fresh copy of ``x`` (in plan order), then its reads."""
-        writes = [w for w in work if w[0] == "w" and w[1] == source and w[2].error is None]
+        key = (id(work), source)
+        worked = self._worked.get(key)
+        if worked is None:
+            worked = self._worked[key] = self._worked_out(work, source)
+        writes, together, reads, (lo, hi), decode = worked
         if writes:
             x = x.clone()
-            if len(writes) > 1:
+            if together is not None:
+                rows, delta, _, rest = together
                 try:
-                    writes = self._add_together(writes, x)
+                    x.index_add_(0, rows, delta.to(x.dtype))
+                    writes = rest
                 except Exception:  # each write on its own below, where a failure is its request's
                     log.exception("interp_engine runtime: adding the steering vectors together failed")
             for _, _, request, i, s, e in writes:
                 self._guard(request, self._write, request, i, x, s, e, base)
-        reads = [w for w in work if w[0] == "r" and w[1] == source and w[2].error is None]
         if reads:
             value = read_value(x)
             # one copy of the rows every reader needs (requests' rows are contiguous spans of
             # the forward: copy from the first to the last), then views of it per reader
-            lo = min(w[4] for w in reads)
-            hi = max(w[5] for w in reads)
             rows = stored(value[lo:hi])
-            for _, _, request, address, s, e in reads:
-                part = rows[s - lo:e - lo]
-                split = self._tap(address.name, False).split
-                if split is not None:  # one part of a fused output (q of qkv_proj, gate of gate_up_proj)
-                    part = split.take(part, self.graph)
-                self._guard(request, self._read, request, address, part, s, e)
+            if decode is not None:
+                try:
+                    reads = [reads[i] for i in self._read_decode(decode, rows)]
+                except Exception:  # each on its own below, where a failure is its request's
+                    log.exception("interp_engine runtime: copying a decode step's rows together failed")
+            for request, address, s, e, split in reads:
+                try:
+                    part = rows[s - lo:e - lo]
+                    if split is not None:  # one part of a fused output (q of qkv_proj, gate of gate_up_proj)
+                        part = split.take(part, self.graph)
+                    self._read(request, address, part, s, e)
+                except Exception as exc:  # this request's failure; the others read on
+                    self._failed(request, exc)
         return x
 
     def _run_pre(self, site: _Site, args, kwargs):
@@ -514,11 +551,13 @@ class Runtime:
         if request.plan.capture_path:
             self._write_file(request)
             self.by_rid.pop(request.plan.rid, None)
+            request.drop()
             return
         self.finished[request.plan.rid] = request
         while len(self.finished) > _FINISHED_KEEP:  # a client that never came back
-            rid, _ = self.finished.popitem(last=False)
+            rid, gone = self.finished.popitem(last=False)
             self.by_rid.pop(rid, None)
+            gone.drop()
 
     def _write_file(self, request: _Request, n: int | None = None) -> None:
         if not self.store_captures or not request.plan.reads:
@@ -627,6 +666,7 @@ class Runtime:
         """Forget ``rid`` (captures included): after collect, or when its client cancelled."""
         request = self.by_rid.pop(rid, None)
         self.finished.pop(rid, None)
+        self._stale = True  # a request still scheduled loses its work
         self.released[rid] = None
         while len(self.released) > _FINISHED_KEEP:
             self.released.popitem(last=False)
@@ -636,7 +676,7 @@ class Runtime:
             for req_id, state in list(self.requests.items()):
                 if state is request:
                     self.requests[req_id] = None  # still scheduled (a cancel in flight): no plan now
-            request.buffers.clear()
+            request.drop()
 
     def stats(self) -> dict:
         return {"live": sum(1 for r in self.requests.values() if r is not None),

@@ -236,7 +236,7 @@ def _patch_runtime(module) -> None:
         return found
     runtime._tap = mutant_tap
 
-    buffer = module._Buffer
+    buffer = module.Buffer
     put = buffer.put
 
     def mutant_put(self, first, rows):
@@ -245,6 +245,14 @@ def _patch_runtime(module) -> None:
             rows = self.data[first - 1:first].clone()
         return put(self, first, rows)
     buffer.put = mutant_put
+    arena = module.Arena
+    arena_put = arena.put
+
+    def mutant_arena_put(self, rows_at, rows):  # a decode step's rows of several requests
+        if active("capture_stale_decode", "vllm"):
+            rows = self.data.index_select(0, (rows_at - 1).clamp(min=0))
+        return arena_put(self, rows_at, rows)
+    arena.put = mutant_arena_put
 
 
 def _patch_attention(module) -> None:
