@@ -3,7 +3,9 @@
 
 Nothing here holds a torch object on the wire, so every engine shape carries it the same way
 (in-process ``LLM``, multiprocess ``LLM``, ``AsyncLLM``, ``vllm serve``, Ray workers on other
-machines): vectors travel as lists of floats (or by name, from a registry loaded into the
+machines): vectors travel inline (``vector``: a list of floats; or ``vector_b64`` with its
+``shape``: the float64 bytes in base64, what ``plan_to_wire`` sends, since vLLM copies and
+checks a request's extra_args element by element) or by name (from a registry loaded into the
 workers), captures as ``(dtype, shape, bytes)``. No vllm import: the client, the worker
 runtime, the admission validator and the server all read this one format.
 
@@ -19,6 +21,7 @@ Two spellings of a plan reach a worker:
 
 from __future__ import annotations
 
+import base64
 import math
 import numbers
 import os
@@ -154,8 +157,9 @@ def plan_to_wire(plan: Plan, rid: str, capture_path: str | None = None, model: s
         vec = op.flat_vector  # a copy; the effective vector is computed in the worker
         entry = {"at": str(op.address), "op": op.op, "scale": op.scale,
                  "positions": op.positions if isinstance(op.positions, str) else list(op.positions)}
-        if vec is not None:
-            entry["vector"] = vec.to(torch.float64).tolist()
+        if vec is not None:  # float64 bytes as one string: exact, and cheap for vLLM to copy
+            entry["vector_b64"] = base64.b64encode(vec.to(torch.float64).contiguous().numpy().tobytes()).decode()
+            entry["shape"] = list(vec.shape)
             entry["dtype"] = str(op.dtype).replace("torch.", "")
         if op.columns is not None:
             entry["columns"] = list(op.columns)
@@ -219,7 +223,7 @@ def _write(entry: Mapping, graph, registry: VectorRegistry) -> WireOp:
     if isinstance(scale, bool) or not isinstance(scale, numbers.Real) or not math.isfinite(scale):
         raise _fail(f"scale {scale!r} must be a finite number")
     if op in VECTORLESS:
-        if "vector" in entry or "name" in entry:
+        if "vector" in entry or "vector_b64" in entry or "name" in entry:
             raise _fail(f"{op} takes no vector (send 'at', 'op', 'scale' for scale, 'positions')")
         vec, at = None, entry.get("at")
     elif "name" in entry:
@@ -232,12 +236,16 @@ def _write(entry: Mapping, graph, registry: VectorRegistry) -> WireOp:
         if not at:
             raise _fail(f"vector {name!r} has no registered point: send 'interp_at' (e.g. 'resid_post.3')")
     else:
-        if "vector" not in entry:
-            raise _fail("a write needs 'vector' (a list of floats) or 'name' (a registered vector)")
-        try:
-            vec = torch.tensor(entry["vector"], dtype=torch.float64)
-        except (TypeError, ValueError):
-            raise _fail("'vector' must be a list of numbers (or a list of such lists, one per position)") from None
+        if ("vector" in entry) == ("vector_b64" in entry):
+            raise _fail("a write needs 'vector' (a list of floats) or 'name' (a registered vector)"
+                        + (", not both 'vector' and 'vector_b64'" if "vector" in entry else ""))
+        if "vector" in entry:
+            try:
+                vec = torch.tensor(entry["vector"], dtype=torch.float64)
+            except (TypeError, ValueError):
+                raise _fail("'vector' must be a list of numbers (or a list of such lists, one per position)") from None
+        else:
+            vec = _vector_b64(entry)
         dtype = entry.get("dtype", "float32")
         if dtype not in _DTYPES:
             raise _fail(f"dtype {dtype!r}; send one of {sorted(_DTYPES)}")
@@ -270,6 +278,22 @@ def _write(entry: Mapping, graph, registry: VectorRegistry) -> WireOp:
     except ValueError as exc:
         raise _fail(f"{address}: {exc}") from None
     return WireOp(address, op, effective, positions, per_position, columns, float(scale))
+
+
+def _vector_b64(entry: Mapping) -> torch.Tensor:
+    """A vector sent as its float64 bytes in base64 (``vector_b64``) with its ``shape``."""
+    shape = entry.get("shape")
+    if not isinstance(shape, list) or not 1 <= len(shape) <= 2 or any(
+            isinstance(n, bool) or not isinstance(n, int) or n < 1 for n in shape):
+        raise _fail(f"'vector_b64' needs 'shape': [width] or [n_positions, width], got {shape!r}")
+    try:
+        data = base64.b64decode(entry["vector_b64"], validate=True)
+    except (TypeError, ValueError):
+        raise _fail("'vector_b64' must be base64 of the vector's float64 bytes (or send 'vector', a list "
+                    "of floats)") from None
+    if len(data) != 8 * math.prod(shape):
+        raise _fail(f"'vector_b64' holds {len(data)} bytes; shape {shape} in float64 is {8 * math.prod(shape)}")
+    return torch.frombuffer(bytearray(data), dtype=torch.float64).reshape(shape)
 
 
 def _columns(value, address: Address, width: int | None) -> tuple[int, ...] | None:

@@ -46,9 +46,31 @@ def test_a_plan_round_trips_through_plain_data(graph):
         assert torch.equal(got.vector, op.effective())  # the worker's effective vector, bit for bit
 
 
+def _as_list(entry: dict, vector: list) -> None:
+    """The write's vector sent as a list of floats (what a server request sends) instead."""
+    entry.pop("vector_b64"), entry.pop("shape")
+    entry["vector"] = vector
+
+
+def test_a_vector_sent_as_a_list_of_floats_equals_the_same_sent_as_bytes(graph):
+    wire = _wire()
+    u = torch.randn(2, D)
+    plan = steer_plan(graph, SteerSpec.set("resid_pre.2", u, positions=[3, 7]))
+    data = wire.plan_to_wire(plan, "r")
+    as_bytes = wire.plan_from_args({wire.KEY: data}, graph=graph)
+    _as_list(data["writes"][0], u.to(torch.float64).tolist())
+    as_list = wire.plan_from_args({wire.KEY: data}, graph=graph)
+    assert torch.equal(as_bytes.writes[0].vector, as_list.writes[0].vector)
+    assert torch.equal(as_bytes.writes[0].vector, plan.writes[0].effective())
+
+
 @pytest.mark.parametrize("mutate, match", [
     (lambda d: d["writes"][0].update(at="resid_post.9"), r"layer 9 out of range"),
-    (lambda d: d["writes"][0].update(vector=[0.0] * 64), r"width 64; this model's d_model is 128"),
+    (lambda d: _as_list(d["writes"][0], [0.0] * 64), r"width 64; this model's d_model is 128"),
+    (lambda d: d["writes"][0].update(vector=[0.0] * D), r"not both 'vector' and 'vector_b64'"),
+    (lambda d: d["writes"][0].update(shape=[64]), r"holds 1024 bytes; shape \[64\] in float64 is 512"),
+    (lambda d: d["writes"][0].update(vector_b64="not base64!"), r"must be base64"),
+    (lambda d: d["writes"][0].pop("shape"), r"needs 'shape'"),
     (lambda d: d["writes"][0].update(op="multiply"), r"unknown op 'multiply'"),
     (lambda d: d["writes"][0].update(at="pattern.1"), r"pattern.1 is not a steering site"),
     (lambda d: d["writes"][0].update(at="mlp_act.1"), r"rows at mlp_act are 256 wide"),
