@@ -323,13 +323,21 @@ async def _agen_steps(model: Model, prompt: list[int] | None, config: SamplingCo
                       embeds: torch.Tensor | None = None, capture: Any = None, streaming: bool = True
                       ) -> AsyncIterator[tuple[GenStep, str | None]]:
     _refuse(model, plan)
-    deltas = _TextDeltas(model)
+    # streaming: each token's text as it comes; else (a whole result, whose texts are only
+    # ever joined) the last token carries the text of them all, decoded once
+    deltas = _TextDeltas(model) if streaming else None
+    ids: list[int] = []
     # aclosing: a consumer that stops early (aclose, an exception, a cancel) closes the
     # backend's generator at once, so the request is aborted now, not when it is collected
     async with contextlib.aclosing(model.backend.agenerate(prompt, config, plan, capture, embeds=embeds,
                                                                     streaming=streaming)) as raws:
         async for raw in raws:
-            text = deltas.push(raw.token_id, raw.finish_reason is not None)
+            last = raw.finish_reason is not None
+            if deltas is not None:
+                text = deltas.push(raw.token_id, last)
+            else:
+                ids.append(raw.token_id)
+                text = model.tok.to_string(ids) if last else ""
             yield GenStep(raw.token_id, text, raw.logprobs, raw.logits, raw.logprob), raw.finish_reason
 
 

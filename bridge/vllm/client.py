@@ -669,7 +669,9 @@ class VllmBackend:
                 if isinstance(out, BaseException):
                     raise self._step_failed() from out
                 if out.finished:
-                    if request.settled is None:  # collected by the pump unless it was not
+                    if request.settled is None and not request.plan.empty and not request.released:
+                        # not collected by the pump: an rpc, off the event loop (an executor
+                        # thread: not for requests without a plan, which have nothing to fetch)
                         await loop.run_in_executor(None, self._settle, request)
                     else:
                         self._settle(request)
