@@ -2,9 +2,12 @@
 
 Each forward it reads the plans of the requests scheduled in this step (from their
 ``SamplingParams.extra_args``), maps the flat token rows to requests and absolute positions,
-applies the requests' steering and copies their captured rows into per-request buffers. A
-hook is installed on a module the first time any request needs it and stays (no per-step
-registration); the per-step work is the row map. Captures leave through ``collect`` (an rpc the
+applies the requests' steering and copies their captured rows into per-request buffers
+(regions of one arena per point: buffers.py). A hook is installed on a module the first time
+any request needs it and stays (no per-step registration); the per-step work is the row map,
+and a decode step that holds the same requests at the same rows as the last one reuses the
+last one's work (the steering adds in one ``index_add_`` per site, the decode rows of a
+point's readers in one ``index_copy_``): only the positions are new. Captures leave through ``collect`` (an rpc the
 client calls when its request finished) or are written to the file a request names when it ends;
 a harvest request's plan names a sink (a file the client maps, and where its rows go in it), and
 ``collect`` writes the rows there and answers only whether it did.
