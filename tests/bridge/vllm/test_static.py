@@ -141,7 +141,13 @@ def test_steered_tokens_logprobs_and_captures_equal_eager(qwen3):
     points = [Address(n, layer) for n in ("resid_mid", "resid_post", "attn_out") for layer in range(N_LAYERS)]
     plain = [s.token_id for s in generate_stream(eager, tokens, max_tokens=8, temperature=0.0)]
     changed = 0
-    for name, spec in _specs(eager).items():
+    n = tokens.shape[1]
+    v = torch.randn(eager.d_model, generator=torch.Generator().manual_seed(5))
+    specs = dict(_specs(eager))
+    # at generated positions only, deep into decode: steps whose batch keeps its rows but
+    # whose writes select by position (the row maps must be refilled, not reused)
+    specs["add_at_decode_positions"] = SteerSpec.add("resid_post.1", v, scale=6.0, positions=[n + 2, n + 4])
+    for name, spec in specs.items():
         with steer(eager, spec):
             se = list(generate_stream(eager, tokens, max_tokens=8, temperature=0.0, n_logprobs=3))
             ce = run_with_cache(eager, tokens, points)
