@@ -111,3 +111,13 @@ def test_a_decode_step_copies_the_rows_it_can_in_one_go_and_leaves_the_rest_to_t
     assert late.covered == 6 and torch.equal(late.data[5], torch.full((4,), 35.0))
     assert outgrown.covered == 9 and skipping.covered == 4  # untouched: theirs to read
     assert torch.equal(skipping.data[:4], _rows(0, 4, tag=20.0))
+
+
+def test_an_arena_that_grows_keeps_the_rows_already_in_it():
+    arena = Arena()
+    buffers = [Buffer(100, arena) for _ in range(4)]  # 400 rows: past the arena's first 256
+    for i, buffer in enumerate(buffers):
+        buffer.put(0, _rows(0, 50, tag=1000.0 * i))
+    assert arena.data.shape[0] >= 400
+    for i, buffer in enumerate(buffers):
+        assert torch.equal(buffer.data[:50], _rows(0, 50, tag=1000.0 * i))
