@@ -75,6 +75,11 @@ class HookSet:
             return out[:index] + (fn(out[index]),) + out[index + 1:]
         self._handles.append(module.register_forward_hook(hook))
 
+    def rewrite(self, module: nn.Module, fn: Callable[[tuple], tuple]) -> None:
+        """Register ``fn(outputs) -> outputs`` on a module that returns a tuple (a write that
+        needs several of its outputs: an MoE router's weights and the experts they belong to)."""
+        self._handles.append(module.register_forward_hook(lambda mod, args, out: fn(out)))
+
     def remove(self) -> None:
         while self._handles:
             self._handles.pop().remove()

@@ -22,7 +22,8 @@ from transformers.pytorch_utils import Conv1D
 from interp_engine._address import Address
 from interp_engine._backend import RawStep
 from interp_engine._graph import GradSupport, ModelGraph
-from interp_engine._ops import apply_write, reshape_point, select_rows
+from interp_engine._capabilities import CapabilityUnsupported
+from interp_engine._ops import apply_write, expert_factor, reshape_point, select_rows, weight_experts
 from interp_engine._plan import Plan, SteerOp, unit_count
 from interp_engine._sampler import new_generator, sample_token
 from interp_engine._sampling import SamplingConfig
@@ -92,8 +93,15 @@ class EagerBackend:
 
     def refusal(self, plan: Plan, batch: TokenBatch | None, *, gradients: bool = False):
         """Nothing in a valid plan is refused on eager, except a patch whose source holds a
-        different number of prompts than the run."""
+        different number of prompts than the run, and an expert write on an architecture whose
+        router does not return its weights and indices together."""
         for op in plan.writes:
+            if op.experts is not None and self._router_outputs(op.address.layer) is None:
+                return CapabilityUnsupported(
+                    "expert_writes", "eager", detail=f"experts={list(op.experts)} at {op.address}",
+                    why=f"this {self.graph.arch} spec's router does not return its routing weights and "
+                        "their experts' indices from one module",
+                    instead="write the block's sum at mlp_out without experts=")
             if op.batched:
                 rows = op._vector.shape[0]
                 if batch is not None and len(batch) != rows:
@@ -111,6 +119,18 @@ class EagerBackend:
     def _tap(self, name: str) -> Tap:
         return self.spec.eager[name]
 
+    def _router_outputs(self, layer: int) -> tuple[str, int, int] | None:
+        """(router module path, index of its weights output, of its indices output), or None
+        where the spec's expert_weights / expert_indices are not two outputs of one module."""
+        weights, indices = self.spec.eager.get("expert_weights"), self.spec.eager.get("expert_indices")
+        if weights is None or indices is None:
+            return None
+        path = weights.module_path(layer)
+        if (indices.module_path(layer) != path or not weights.how.startswith("out")
+                or not indices.how.startswith("out") or weights.how == "out" or indices.how == "out"):
+            return None
+        return path, int(weights.how[3:]), int(indices.how[3:])
+
     def _read_key(self, address: Address) -> tuple[str, str]:
         """(module path, how) of an address, resolved once per address."""
         key = self._keys.get(address)
@@ -125,14 +145,19 @@ class EagerBackend:
             # Order on a shared module: writes at a point, then reads of it (a capture sees the
             # steered value), then resid_mid writes, which ride on the attn_out module but come
             # after attention's output in the layer (attn_out reads never see them).
+            # Expert writes come last on the router: its captures (router_logits, expert_weights,
+            # expert_indices) show the router's own choice, as on vLLM, and the experts receive
+            # the written weights.
             pre_sinks: dict[int, list] = {}
-            mid_writes = []
+            mid_writes, expert_writes = [], []
             positions = window.positions() if plan.writes else None
             for op in plan.writes:
                 sel = select_rows(op.positions, op.per_position, positions, window.prompt_end)
                 if sel.empty:
                     continue
-                if op.address.name == "resid_mid":
+                if op.experts is not None:
+                    expert_writes.append((op, sel))
+                elif op.address.name == "resid_mid":
                     mid_writes.append((op, sel))
                 else:
                     self._lower_write(hooks, op, sel, pre_sinks)
@@ -147,6 +172,8 @@ class EagerBackend:
                     hooks.read(self.module(key[0]), key[1], sink)
             for op, sel in mid_writes:
                 self._lower_write(hooks, op, sel, pre_sinks)
+            for op, sel in expert_writes:
+                self._lower_expert_write(hooks, op, sel, window.length)
         except BaseException:
             hooks.remove()
             raise
@@ -184,6 +211,20 @@ class EagerBackend:
             new = apply_write(kind, rows.flatten(2), vec, sel, cols=cols).view(rows.shape)
             return new.transpose(1, 2) if heads_first else new
         hooks.write(self.module(tap.module_path(layer)), tap.how, write)
+
+    def _lower_expert_write(self, hooks: HookSet, op: SteerOp, sel, length: int) -> None:
+        """Zero or scale the routing weights the block's experts receive for ``op.experts``."""
+        path, wi, ii = self._router_outputs(op.address.layer)
+        experts = torch.tensor(op.experts, device=self.device)
+        factor = expert_factor(op.op, op.scale)
+
+        def rewrite(out):
+            weights, indices = out[wi], out[ii]  # [batch * pos, top_k]
+            top_k = weights.shape[-1]
+            new = weight_experts(weights.reshape(-1, length, top_k), indices.reshape(-1, length, top_k),
+                                 experts, factor, sel).reshape(weights.shape)
+            return out[:wi] + (new,) + out[wi + 1:]
+        hooks.rewrite(self.module(path), rewrite)
 
     def _columns(self, op: SteerOp, tap: Tap) -> torch.Tensor | None:
         """The columns of the hooked tensor an op writes: its selected heads or neurons, placed

@@ -95,6 +95,12 @@ CAPABILITIES = MappingProxyType(
                "architecture's spec declares its routing rule and vLLM's router follows that rule",
                "capture 'router_logits' (served on vLLM) and call expert_assignment(..., top_k=k), "
                "or use backend='eager'", _EAGER),
+            _c("expert_writes",
+               "vLLM selects the experts and weights their outputs inside its fused MoE layer, "
+               "where no hook of this backend reaches; eager zeroes or scales an expert's share "
+               "of the block's output through the routing weight its experts module receives",
+               "use backend='eager' for experts= writes, or write the block's sum at mlp_out",
+               _EAGER),
             _c("parallel_residual_streams",
                "only DeepSeek-V4's hyper-connection trunk carries parallel residual streams, and "
                "vLLM has no CPU path for it",

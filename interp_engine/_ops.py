@@ -15,7 +15,8 @@ from typing import Callable, NamedTuple
 import torch
 
 __all__ = ["AFFINE", "OP_MATH", "Selection", "apply_write", "attention_pattern", "effective_vector",
-           "reshape_point", "route", "select_rows", "selector_columns", "stored"]
+           "expert_factor", "reshape_point", "route", "select_rows", "selector_columns", "stored",
+           "weight_experts"]
 
 
 class Selection(NamedTuple):
@@ -165,6 +166,26 @@ def apply_write(kind: str, x: torch.Tensor, vec: torch.Tensor, sel: Selection,
     out = x.clone()
     out.index_copy_(-2, rows, new)
     return out
+
+
+def expert_factor(kind: str, scale: float) -> float:
+    """What an ``experts=`` write multiplies its experts' routing weights by: 0 for zero, the
+    factor for scale."""
+    return 0.0 if kind == "zero" else float(scale)
+
+
+def weight_experts(weights: torch.Tensor, indices: torch.Tensor, experts: torch.Tensor, factor: float,
+                   sel: Selection) -> torch.Tensor:
+    """Routing weights ``[..., rows, top_k]`` (``indices`` the experts they belong to) with those
+    of ``experts`` multiplied by ``factor`` at ``sel``'s rows; out of place. An expert's share of
+    an MoE block's output is its weight times its output, so this zeroes or scales exactly that
+    share and leaves the other experts' as they were."""
+    hit = torch.isin(indices, experts)
+    if sel.rows is not None:
+        row = torch.zeros(weights.shape[-2], dtype=torch.bool, device=weights.device)
+        row[sel.rows.to(weights.device)] = True
+        hit = hit & row.unsqueeze(-1)
+    return torch.where(hit, weights * factor, weights)
 
 
 def route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -73,7 +73,11 @@ def _frozen_copy(vector: torch.Tensor) -> torch.Tensor:
     return vector.detach().clone(memory_format=torch.contiguous_format)
 
 
-_SELECTORS = {"heads": ("n_heads", "n_kv_heads"), "neurons": ("d_mlp",)}
+_SELECTORS = {"heads": ("n_heads", "n_kv_heads"), "neurons": ("d_mlp",), "experts": ("n_experts",)}
+EXPERT_OPS = ("zero", "scale")
+"""The ops an ``experts=`` selector takes: an expert's share of an MoE block's output is its
+routing weight times its output, so zeroing or scaling that weight is exact (no module returns
+one expert's output, which the other ops would need)."""
 WRITABLE_INSIDE = ("q", "k", "v", "z", "mlp_pre", "mlp_act")
 """Points inside a block a SteerSpec writes besides the residual-width steering sites (the
 point table's ``writable``): per head on q, k, v and z, per neuron on the MLP's hidden points."""
@@ -105,16 +109,15 @@ def _norm_select(site: str, name: str, heads, neurons, experts) -> tuple[str, tu
                          f"{', '.join(k for k, _ in given)}")
     kind, value = given[0]
     if kind == "experts":
-        raise CapabilityUnsupported(
-            "expert_writes", "any", detail=f"experts={value!r} at {site}",
-            why="no point holds one expert's output: the MoE block sums its experts inside one module "
-                "(a fused kernel on vLLM)",
-            instead="steer the block's sum at mlp_out, or read routing with router_logits / expert_indices")
-    dims = unit_dims(name)
-    if dims[0] not in _SELECTORS[kind]:
-        fits = [n for n in WRITABLE_INSIDE if unit_dims(n)[0] in _SELECTORS[kind]]
-        raise ValueError(f"{kind}= does not apply at {site} ({name} is [{', '.join(dims)}] per position); "
-                         f"{kind}= selects at {', '.join(fits)}")
+        if name != "mlp_out":
+            raise ValueError(f"experts= does not apply at {site}: it selects experts of an MoE block's "
+                             "output, so write at mlp_out.<layer> (an MoE layer)")
+    else:
+        dims = unit_dims(name)
+        if dims[0] not in _SELECTORS[kind]:
+            fits = [n for n in WRITABLE_INSIDE if unit_dims(n)[0] in _SELECTORS[kind]]
+            raise ValueError(f"{kind}= does not apply at {site} ({name} is [{', '.join(dims)}] per position); "
+                             f"{kind}= selects at {', '.join(fits)}")
     if isinstance(value, torch.Tensor):
         value = value.tolist()
     if isinstance(value, numbers.Integral) and not isinstance(value, bool):
@@ -142,7 +145,9 @@ class SteerOp:
     ``[n_heads, d_head]`` on z, ``[d_mlp]`` on mlp_act), optionally with a leading
     ``n_positions`` dim (then ``positions`` names them), or ``[batch, n_positions, ...]`` for a
     batch-aware patch. ``select`` (``("heads", (3, 5))`` / ``("neurons", (...))``) restricts the
-    write to those heads or neurons; the vector's other entries are not used.
+    write to those heads or neurons; the vector's other entries are not used. ``("experts", (...))``
+    at an MoE layer's ``mlp_out`` zeroes or scales those experts' shares of the block's output
+    (through their routing weights; zero and scale only)
 
     Immutable: the op keeps a private copy of the vector made at construction; ``op.vector``
     returns a fresh copy each time. Equal ops compare equal and hash alike."""
@@ -162,7 +167,15 @@ class SteerOp:
             given[select[0]] = select[1]
             select = _norm_select(site, address.name, **given)
         elif select is not None:
-            raise TypeError(f"select at {site} is ('heads', [...]) or ('neurons', [...]), got {select!r}")
+            raise TypeError(f"select at {site} is ('heads', [...]), ('neurons', [...]) or ('experts', [...]), "
+                            f"got {select!r}")
+        if select is not None and select[0] == "experts" and op not in EXPERT_OPS:
+            raise ValueError(
+                f"{op} with experts={list(select[1])} at {site}: an expert's share of the block's output is "
+                "its routing weight times its output, and no module returns one expert's output, so only "
+                "zero and scale (which act on that weight) are exact; use SteerSpec.zero(point, experts=[...]) "
+                "or SteerSpec.scale(point, factor, experts=[...]), or write the block's sum at mlp_out "
+                "without experts=")
         positions = _norm_positions(positions)
         if isinstance(scale, bool) or not isinstance(scale, numbers.Real):
             raise TypeError(f"scale at {site} must be a real number, got {scale!r}")
@@ -293,6 +306,11 @@ class SteerOp:
         return found
 
     # ---- what backends use ---------------------------------------------------------
+    @property
+    def experts(self) -> tuple[int, ...] | None:
+        """The experts an ``experts=`` write zeroes or scales (None: not an expert write)."""
+        return self.select[1] if self.select is not None and self.select[0] == "experts" else None
+
     @property
     def column_index(self) -> torch.Tensor | None:
         return None if self.columns is None else torch.tensor(self.columns, dtype=torch.long)
@@ -550,6 +568,8 @@ def check_write(graph: ModelGraph, op: SteerOp, dtype: torch.dtype | None = None
     if op.select is None:
         return op
     kind, indices = op.select
+    if kind == "experts":
+        return _check_experts(graph, op)
     limit = unit[0]
     bad = [i for i in indices if i >= limit]
     if bad:
@@ -559,6 +579,22 @@ def check_write(graph: ModelGraph, op: SteerOp, dtype: torch.dtype | None = None
     if op.op == "ablate" and not float(op.flat_vector.index_select(-1, cols).norm()) > 0:
         raise ValueError(f"ablation direction at {op.address} is zero on {kind} {list(indices)}")
     return op.bind(tuple(cols.tolist()))
+
+
+def _check_experts(graph: ModelGraph, op: SteerOp) -> SteerOp:
+    """An ``experts=`` write: at an MoE layer's mlp_out, experts within the router's width."""
+    indices, layer = op.select[1], op.address.layer
+    if not graph.n_experts:
+        raise ValueError(f"experts={list(indices)} at {op.address}: this {graph.arch} model has no MoE "
+                         "layers; drop experts= to write the MLP's output")
+    if layer not in graph.moe_layers:
+        raise ValueError(f"experts={list(indices)} at {op.address}: layer {layer} of this {graph.arch} model "
+                         f"is dense; its MoE layers are {list(graph.moe_layers)}")
+    bad = [i for i in indices if i >= graph.n_experts]
+    if bad:
+        raise ValueError(f"experts={list(indices)} at {op.address}: {bad} out of range; this {graph.arch} "
+                         f"model has {graph.n_experts} experts (0..{graph.n_experts - 1})")
+    return op
 
 
 def check_batch(plan: Plan, rows: int | None) -> None:

@@ -317,6 +317,9 @@ class VllmBackend:
                     instead="load with tensor_parallel_size=1, or use backend='eager'")
         for op in plan.writes:
             name = op.address.name
+            if op.experts is not None:
+                return CapabilityUnsupported("expert_writes", self.name,
+                                             detail=f"experts={list(op.experts)} at {op.address}")
             if name not in self.spec.vllm and name not in self.spec.vllm_writes:
                 point = POINTS[name]
                 return CapabilityUnsupported(point.capability or "vllm_architecture", self.name,

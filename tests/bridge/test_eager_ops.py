@@ -434,7 +434,7 @@ def test_bad_writes_are_refused_before_any_forward(eager_models):
         (lambda: SteerSpec.ablate("z.0", torch.zeros(H, dh)), ValueError, "zero norm"),
         (lambda: SteerSpec.ablate("z.0", torch.cat([torch.zeros(1, dh), torch.ones(H - 1, dh)]), heads=[0]),
          ValueError, "zero on heads"),
-        (lambda: SteerSpec.zero("mlp_out.0", experts=[1]), CapabilityUnsupported, "expert_writes"),
+        (lambda: SteerSpec.zero("mlp_out.0", experts=[1]), ValueError, "no MoE layers"),
     ]
     with count_forwards(model.hf) as calls:
         for build, exc, pattern in bad:
