@@ -96,11 +96,12 @@ CAPABILITIES = MappingProxyType(
                "capture 'router_logits' (served on vLLM) and call expert_assignment(..., top_k=k), "
                "or use backend='eager'", _EAGER),
             _c("expert_writes",
-               "vLLM selects the experts and weights their outputs inside its fused MoE layer, "
-               "where no hook of this backend reaches; eager zeroes or scales an expert's share "
-               "of the block's output through the routing weight its experts module receives",
-               "use backend='eager' for experts= writes, or write the block's sum at mlp_out",
-               _EAGER),
+               "an experts= write zeroes or scales the routing weights the block's experts "
+               "receive; vLLM's hook runtime reaches them where its fused MoE takes the router's "
+               "selection (checked per layer when the engine starts), vllm-static compiles "
+               "residual-width sites only",
+               "use backend='vllm' or backend='eager' for experts= writes, or write the block's "
+               "sum at mlp_out", _HOOKS),
             _c("parallel_residual_streams",
                "only DeepSeek-V4's hyper-connection trunk carries parallel residual streams, and "
                "vLLM has no CPU path for it",

@@ -182,6 +182,7 @@ class VllmBackend:
         self._fingerprint: str | None = None
         self._in_process: bool | None = None
         self._routing_mismatch: dict[int, str] = {}  # MoE layer -> why vLLM routes otherwise
+        self._expert_refusals: dict[int, str] = {}  # MoE layer -> why an experts= write is not served
         self._pattern_mismatch: dict[int, str] = {}  # layer -> why its kernel's pattern cannot be rebuilt
 
     # ---- engine -----------------------------------------------------------------------
@@ -240,6 +241,7 @@ class VllmBackend:
             self.world = len(infos)
             self._routing_mismatch = {int(k): v for k, v in (infos[0].get("routing_mismatch") or {}).items()}
             self._pattern_mismatch = {int(k): v for k, v in (infos[0].get("pattern_mismatch") or {}).items()}
+            self._expert_refusals = {int(k): v for k, v in (infos[0].get("expert_write_refusals") or {}).items()}
             self._llm = llm
         return self._llm
 
@@ -318,8 +320,10 @@ class VllmBackend:
         for op in plan.writes:
             name = op.address.name
             if op.experts is not None:
-                return CapabilityUnsupported("expert_writes", self.name,
-                                             detail=f"experts={list(op.experts)} at {op.address}")
+                found = self._expert_refusal(op)
+                if found is not None:
+                    return found
+                continue
             if name not in self.spec.vllm and name not in self.spec.vllm_writes:
                 point = POINTS[name]
                 return CapabilityUnsupported(point.capability or "vllm_architecture", self.name,
@@ -338,6 +342,16 @@ class VllmBackend:
                     f"{self.tensor_parallel_size}", why="each rank holds only its own heads of this point",
                     instead="load with tensor_parallel_size=1 to write heads, or steer a residual-width point")
         return None
+
+    def _expert_refusal(self, op) -> CapabilityUnsupported | None:
+        """An experts= write scales the routing weights vLLM's router returns, in the worker:
+        refused where the engine (started to find out) said it cannot reach them."""
+        self._engine()
+        why = self._expert_refusals.get(op.address.layer)
+        if why is None:
+            return None
+        return CapabilityUnsupported("expert_writes", self.name,
+                                     detail=f"experts={list(op.experts)} at {op.address}", why=why)
 
     def _routing_refusal(self, address: Address) -> CapabilityUnsupported | None:
         """The selection is recomputed from router_logits with the spec's rule: refused where

@@ -16,7 +16,7 @@ from typing import Any
 
 from specs import ArchSpec
 
-__all__ = ["Rule", "mismatches", "rule_of"]
+__all__ = ["Rule", "expert_write_refusals", "experts_path", "mismatches", "rule_of"]
 
 Rule = tuple[int, bool]  # (top_k, renormalize)
 
@@ -46,6 +46,43 @@ def _differences(router: Any, rule: Rule) -> list[str]:
     if float(getattr(router, "routed_scaling_factor", 1.0)) != 1.0:
         found.append(f"routed_scaling_factor={router.routed_scaling_factor}")
     return found
+
+
+def experts_path(spec: ArchSpec, layer: int) -> str | None:
+    """vLLM's MoE runner of ``layer`` (next to the router module, as ``experts``), or None
+    where the architecture's vLLM map names no router."""
+    tap = spec.vllm.get("router_logits") or spec.vllm.get("expert_indices")
+    if tap is None:
+        return None
+    return tap.module_path(layer).rsplit(".", 1)[0] + ".experts"
+
+
+def expert_write_refusals(root: Any, spec: ArchSpec, layers: list[int]) -> dict[int, str]:
+    """Layer -> why an ``experts=`` write cannot be served there (empty: every MoE layer can).
+    The runtime scales the routing weights vLLM's router hands the fused experts
+    (``router.select_experts``), which is exact where the kernel multiplies each expert's output
+    by its weight; refused where the kernel routes from the logits itself (monolithic) or
+    applies the weights to the experts' input."""
+    out = {}
+    for layer in layers:
+        path = experts_path(spec, layer)
+        if path is None:
+            out[layer] = "this architecture's vLLM map names no MoE router"
+            continue
+        try:
+            runner = root.get_submodule(path)
+        except AttributeError:
+            out[layer] = f"no vLLM MoE layer found at {path}"
+            continue
+        router, routed = getattr(runner, "router", None), getattr(runner, "routed_experts", None)
+        if router is None or not callable(getattr(router, "select_experts", None)) or routed is None:
+            out[layer] = f"vLLM's MoE layer at {path} has no router whose selection the runtime can reach"
+        elif getattr(getattr(routed, "quant_method", None), "is_monolithic", False):
+            out[layer] = f"vLLM's fused MoE kernel at {path} routes from the logits itself (monolithic)"
+        elif getattr(routed, "apply_router_weight_on_input", False):
+            out[layer] = (f"vLLM's fused MoE at {path} applies the routing weights to the experts' input, "
+                          "so scaling a weight does not scale that expert's share")
+    return out
 
 
 def mismatches(root: Any, spec: ArchSpec, rule: Rule | None, layers: list[int]) -> dict[int, str]:

@@ -39,10 +39,11 @@ import torch
 from torch import nn
 
 from interp_engine._address import Address
-from interp_engine._ops import apply_write, route, select_rows, stored
+from interp_engine._ops import apply_write, expert_factor, route, select_rows, stored, weight_experts
 from specs import ArchSpec, VllmTap
 
 from .buffers import Arena, Buffer
+from .routing import experts_path
 from .wire import WirePlan, plan_from_args, process_registry, tensor_to_wire
 
 __all__ = ["Runtime"]
@@ -94,6 +95,24 @@ class _Wrapped:
 
     def remove(self) -> None:
         self.module.__dict__.pop("forward", None)
+
+
+class _RouterWrapped:
+    """vLLM's MoE router of one layer, whose ``select_experts`` returns ``(weights, ids)`` to
+    the fused experts: ``post(weights, ids)`` may return new weights. ``remove`` restores it."""
+
+    def __init__(self, router: Any, post: Callable) -> None:
+        self.router = router
+        original = router.select_experts
+
+        def select_experts(*args, **kwargs):
+            weights, ids = original(*args, **kwargs)
+            return post(weights, ids), ids
+
+        router.select_experts = select_experts
+
+    def remove(self) -> None:
+        self.router.__dict__.pop("select_experts", None)
 
 
 @dataclass
@@ -235,7 +254,10 @@ class Runtime:
                 tap = self._tap(address.name, False)
                 self._site(tap.module_path(address.layer), wrap=tap.source == "attn_qk")
             for op in plan.writes:
-                self._site(self._tap(op.address.name, True).module_path(op.address.layer))
+                if op.experts is not None:
+                    self._router_site(op.address.layer)
+                else:
+                    self._site(self._tap(op.address.name, True).module_path(op.address.layer))
         except Exception as exc:
             request.error = f"cannot serve this plan here: {exc!r}"
         self.by_rid[plan.rid] = request
@@ -244,6 +266,8 @@ class Runtime:
     def _columns(self, op) -> torch.Tensor | None:
         """The columns of the hooked tensor ``op`` writes: its selected heads or neurons (every
         column with no selector), placed inside their part of a fused output (q of qkv_proj)."""
+        if op.experts is not None:  # the experts whose routing weights it zeroes or scales
+            return torch.tensor(op.experts, device=self.device)
         split = self._tap(op.address.name, True).split
         if split is None:
             return None if op.columns is None else torch.tensor(op.columns, device=self.device)
@@ -265,6 +289,9 @@ class Runtime:
         """What ``request`` asks of each hooked site, in plan order: writes, then reads."""
         work = []
         for i, op in enumerate(request.plan.writes):
+            if op.experts is not None:
+                work.append((self._router_site(op.address.layer), False, ("w", "route_write", request, i)))
+                continue
             tap = self._tap(op.address.name, True)
             site = self.sites[tap.module_path(op.address.layer)]
             work.append((site, tap.source in _PRE_SOURCES, ("w", tap.source, request, i)))
@@ -300,6 +327,45 @@ class Runtime:
                 site.handles.append(module.register_forward_pre_hook(self._pre_hook(site), with_kwargs=True))
                 site.handles.append(module.register_forward_hook(self._post_hook(site)))
         return site
+
+    def _router_site(self, layer: int) -> _Site:
+        """The MoE layer whose router's selection an experts= write scales (routing.py checked
+        at start-up that the fused experts weight each expert's output by it)."""
+        path = experts_path(self.spec, layer)
+        site = self.sites.get(path + "#router")  # its own site: hooks on the module are another's
+        if site is None:
+            module = self.root.get_submodule(path)
+            site = self.sites[path + "#router"] = _Site(module)
+
+            def post(weights, ids):
+                return self._run_route(site, weights, ids) if site.post else weights
+            site.handles.append(_RouterWrapped(module.router, post))
+        return site
+
+    def _run_route(self, site: _Site, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The requests' experts= writes on the routing weights ``[rows, top_k]`` of this step."""
+        writes = [w for w in site.post if w[2].error is None]
+        if not writes:
+            return weights
+        if self.positions is None or weights.shape[0] != self.positions.shape[0]:
+            for w in writes:  # rows that are not this forward's tokens: never guess which is whose
+                self._failed(w[2], RuntimeError(
+                    f"the MoE router saw {weights.shape[0]} rows, the forward "
+                    f"{None if self.positions is None else self.positions.shape[0]}"))
+            return weights
+        new = weights.clone()
+        for _, _, request, i, s, e in writes:
+            self._guard(request, self._write_experts, request, i, new, ids, s, e)
+        return new
+
+    def _write_experts(self, request: _Request, i: int, weights: torch.Tensor, ids: torch.Tensor,
+                       s: int, e: int) -> None:
+        op = request.plan.writes[i]
+        sel = select_rows(op.positions, op.per_position, self.positions[s:e], request.prompt_len)
+        if sel.empty:
+            return
+        weights[s:e] = weight_experts(weights[s:e], ids[s:e], request.columns[i],
+                                      expert_factor(op.op, op.scale), sel)
 
     def _pre_hook(self, site: _Site) -> Callable:
         def hook(module, args, kwargs):

@@ -86,6 +86,13 @@ class VllmStaticBackend(VllmBackend):
                 f"load_model(..., backend='vllm-static', {arg}=[...]) (a new engine), or use backend='vllm'")
 
     def refusal(self, plan: Plan, batch, *, gradients: bool = False):
+        for op in plan.writes:
+            if op.experts is not None:
+                return CapabilityUnsupported(
+                    "expert_writes", self.name, detail=f"experts={list(op.experts)} at {op.address}",
+                    why="vllm-static compiles residual-width steering sites, which add, set or project "
+                        "a whole row; an expert's share is reached only through the routing weights",
+                    instead="use backend='vllm' (its hook runtime scales the routing weights) or 'eager'")
         found = super().refusal(plan, batch, gradients=gradients)
         if found is not None:
             return found

@@ -33,7 +33,8 @@ import torch
 
 from interp_engine._address import Address, to_address
 from interp_engine._ops import effective_vector
-from interp_engine._plan import OPS, VECTORLESS, Plan, _norm_positions, is_write_site, unit_dims, write_sites
+from interp_engine._plan import (EXPERT_OPS, OPS, VECTORLESS, Plan, _norm_positions, is_write_site, unit_dims,
+                                 write_sites)
 
 __all__ = ["KEY", "FLAT_KEYS", "PlanError", "VectorRegistry", "WireOp", "WirePlan", "WireSink", "plan_from_args",
            "plan_to_wire", "tensor_from_wire", "tensor_to_wire"]
@@ -119,6 +120,7 @@ class WireOp:
     per_position: bool
     columns: tuple[int, ...] | None = None  # the selected heads' / neurons' columns of the point's row
     scale: float = 1.0
+    experts: tuple[int, ...] | None = None  # an MoE layer's experts whose routing weights it zeroes / scales
 
 
 @dataclass(frozen=True)
@@ -163,6 +165,8 @@ def plan_to_wire(plan: Plan, rid: str, capture_path: str | None = None, model: s
             entry["dtype"] = str(op.dtype).replace("torch.", "")
         if op.columns is not None:
             entry["columns"] = list(op.columns)
+        if op.experts is not None:
+            entry["experts"] = list(op.experts)
         writes.append(entry)
     data = {"v": VERSION, "rid": rid, "reads": [str(a) for a in plan.reads], "writes": writes}
     if model:
@@ -272,12 +276,33 @@ def _write(entry: Mapping, graph, registry: VectorRegistry) -> WireOp:
             raise _fail(f"columns at {address} reach past the vector's width {vec.shape[-1]}")
         if op == "ablate" and (per_position or not float(vec.norm()) > 0):
             raise _fail(f"ablate at {address} takes one direction with a non-zero norm")
+    experts = _experts(entry.get("experts"), address, op, columns, graph)
     cols = None if columns is None else torch.tensor(columns, dtype=torch.long)
     try:
         effective = _effective(op, vec, float(scale), cols)
     except ValueError as exc:
         raise _fail(f"{address}: {exc}") from None
-    return WireOp(address, op, effective, positions, per_position, columns, float(scale))
+    return WireOp(address, op, effective, positions, per_position, columns, float(scale), experts)
+
+
+def _experts(value, address: Address, op: str, columns, graph) -> tuple[int, ...] | None:
+    """An ``experts`` list: zero or scale at an MoE layer's mlp_out, experts within the router."""
+    if value is None:
+        return None
+    if (not isinstance(value, list) or not value
+            or any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in value)):
+        raise _fail(f"experts at {address} must be a non-empty list of non-negative ints, got {value!r}")
+    if len(set(value)) != len(value):
+        raise _fail(f"experts at {address} has repeats: {value}")
+    if address.name != "mlp_out" or op not in EXPERT_OPS or columns is not None:
+        raise _fail(f"experts= takes zero or scale at an MoE layer's mlp_out, without columns; got {op} at {address}")
+    if graph is not None:
+        if address.layer not in graph.moe_layers:
+            raise _fail(f"experts at {address}: layer {address.layer} is not an MoE layer; MoE layers: "
+                        f"{list(graph.moe_layers)}")
+        if max(value) >= graph.n_experts:
+            raise _fail(f"experts at {address} reach {max(value)}; the router has {graph.n_experts} experts")
+    return tuple(value)
 
 
 def _vector_b64(entry: Mapping) -> torch.Tensor:

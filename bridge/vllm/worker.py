@@ -30,6 +30,14 @@ def _routing_mismatch(runtime) -> dict[str, str]:
                                                           layers).items()}
 
 
+def _expert_write_refusals(runtime) -> dict[str, str]:
+    """MoE layers where an experts= write cannot be served, with why (see routing.py)."""
+    from .routing import expert_write_refusals
+
+    layers = list(runtime.graph.moe_layers)
+    return {str(layer): why for layer, why in expert_write_refusals(runtime.root, runtime.spec, layers).items()}
+
+
 def _pattern_mismatch(runtime) -> dict[str, str]:
     """Layers whose attention kernel the pattern cannot be rebuilt for, with why (attention.py)."""
     from .attention import mismatches
@@ -48,7 +56,8 @@ class InterpWorkerExtension:
         runtime = install_runtime(self.model_runner)
         rank, world = tp_rank_and_size()
         return {"rank": rank, "world": world, "routing_mismatch": _routing_mismatch(runtime),
-                "pattern_mismatch": _pattern_mismatch(runtime)}
+                "pattern_mismatch": _pattern_mismatch(runtime),
+                "expert_write_refusals": _expert_write_refusals(runtime)}
 
     def interp_collect(self, rid: str, n_positions: int | None, release: bool = True) -> dict:
         out = self._interp_runtime().collect(rid, n_positions, release)

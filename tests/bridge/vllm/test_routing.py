@@ -109,3 +109,35 @@ def test_router_check_names_each_difference_from_the_rule():
     why = mismatches(tree(other), spec, (2, True), [0])[0]
     assert "renormalize=False" in why and "sigmoid" in why
     assert "top_k=2" in mismatches(tree(same), spec, (4, True), [0])[0]
+
+
+def test_expert_write_check_names_why_a_layer_cannot_take_one():
+    """bridge/vllm/routing.expert_write_refusals on vLLM's CPU router (no engine): served where
+    the fused experts weight each output by the router's weights, refused otherwise."""
+    from types import SimpleNamespace
+
+    from torch import nn
+    from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
+
+    from bridge.vllm.routing import expert_write_refusals
+
+    spec = SPECS["qwen3_moe"]
+
+    def tree(router, monolithic=False, on_input=False):
+        root = nn.Module()
+        root.model = nn.Module()
+        root.model.layers = nn.ModuleList([nn.Module()])
+        mlp = root.model.layers[0].mlp = nn.Module()
+        mlp.gate = nn.Linear(2, 8)
+        mlp.experts = nn.Module()
+        mlp.experts.router = router
+        mlp.experts.routed_experts = SimpleNamespace(quant_method=SimpleNamespace(is_monolithic=monolithic),
+                                                     apply_router_weight_on_input=on_input)
+        return root
+
+    router = CPURouter(top_k=2, global_num_experts=8, renormalize=True)
+    assert expert_write_refusals(tree(router), spec, [0]) == {}
+    assert "monolithic" in expert_write_refusals(tree(router, monolithic=True), spec, [0])[0]
+    assert "experts' input" in expert_write_refusals(tree(router, on_input=True), spec, [0])[0]
+    assert "no router" in expert_write_refusals(tree(SimpleNamespace()), spec, [0])[0]
+    assert "no vLLM MoE layer" in expert_write_refusals(tree(router), spec, [1])[1]

@@ -91,6 +91,30 @@ def test_a_bad_plan_is_refused_with_what_to_send_instead(graph, mutate, match):
         wire.plan_from_args({wire.KEY: data}, graph=graph)
 
 
+def test_an_expert_write_crosses_as_plain_data_and_a_bad_one_is_refused():
+    wire = _wire()
+    config = tiny_config("qwen3_moe")
+    moe = spec_for_config(config).graph_from_config(config)
+    layer = moe.moe_layers[0]
+    plan = steer_plan(moe, SteerSpec.scale(f"mlp_out.{layer}", 0.5, positions="generated", experts=[3, 1]))
+    data = wire.plan_to_wire(plan, "r")
+    json.dumps(data)
+    back = wire.plan_from_args({wire.KEY: data}, graph=moe).writes[0]
+    assert (back.experts, back.op, back.scale, back.positions) == ((3, 1), "scale", 0.5, "generated")
+    dense = [i for i in range(moe.n_layers) if i not in moe.moe_layers]
+    bad = [({"experts": [moe.n_experts]}, rf"reach {moe.n_experts}; the router has {moe.n_experts} experts"),
+           ({"experts": [1, 1]}, "repeats"), ({"experts": []}, "non-empty list"), ({"experts": [True]}, "non-negative"),
+           ({"at": f"resid_post.{layer}"}, "zero or scale at an MoE layer's mlp_out"),
+           ({"op": "add", "vector": [0.0] * moe.d_model}, "zero or scale")]
+    if dense:
+        bad.append(({"at": f"mlp_out.{dense[0]}"}, "not an MoE layer"))
+    for change, match in bad:
+        data = wire.plan_to_wire(plan, "r")
+        data["writes"][0].update(change)
+        with pytest.raises(wire.PlanError, match=match):
+            wire.plan_from_args({wire.KEY: data}, graph=moe)
+
+
 def test_a_harvest_sink_crosses_as_plain_data_and_a_bad_one_is_refused(graph, tmp_path):
     """A harvest request names the file its rows go to (the workers write them there)."""
     wire = _wire()

@@ -1,0 +1,89 @@
+"""experts= writes inside vLLM's workers: the runtime scales the routing weights vLLM's router
+hands its fused experts. The MoE block's output under the write must equal the Hugging Face
+reference (tests/bridge/test_eager_experts.py: the clean block output minus, or plus a multiple
+of, the expert's share recomputed on HF's experts module), at prompt and generated positions,
+with concurrent requests that write differently. vllm-static refuses experts= before any forward."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+
+import pytest
+import torch
+
+from interp_engine import CapabilityUnsupported, SteerSpec, capture_generation, run_with_cache, steer
+from interp_engine.testing import assert_close_scaled
+from tests._reference import PROMPT
+from tests.bridge.test_eager_experts import _block_io, _busy_expert, _shares
+
+pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                                  reason="vllm not installed")]
+
+
+@pytest.fixture(params=("qwen3_moe", "gpt_oss"))
+def pair(request, model_pool):
+    return model_pool.get(request.param), model_pool.get(request.param, "vllm", enable_prompt_embeds=True)
+
+
+def test_zero_and_scale_an_expert_equal_the_hf_reference(pair):
+    eager, vllm = pair
+    ids = eager.to_tokens(PROMPT)
+    layer = eager.graph.moe_layers[-1]
+    site = f"mlp_out.{layer}"
+    x, clean = _block_io(eager, ids, layer)
+    expert = _busy_expert(eager, ids, x, layer)
+    share = _shares(eager, ids, x, layer, expert)
+    assert share.abs().max() > 0
+
+    got = run_with_cache(vllm, ids, [site], steer=SteerSpec.zero(site, experts=[expert]))[site]
+    assert_close_scaled(got, clean - share)
+    positions = [1, 3]
+    got = run_with_cache(vllm, ids, [site], steer=SteerSpec.scale(site, 2.5, positions=positions,
+                                                                  experts=[expert]))[site]
+    want = clean.clone()
+    want[:, positions] += 1.5 * share[:, positions]
+    assert_close_scaled(got, want)
+
+
+def test_generated_positions_and_concurrent_requests_equal_eager(model_pool):
+    """Two requests in one batch, each zeroing other experts (one at generated positions only),
+    and one with no write: each one's tokens, logprobs and captured mlp_out equal eager's."""
+    eager = model_pool.get("qwen3_moe")
+    vllm = model_pool.get("qwen3_moe", "vllm", enable_prompt_embeds=True)
+    layer = eager.graph.moe_layers[0]
+    site = f"mlp_out.{layer}"
+    prompts = [eager.to_tokens(p) for p in (PROMPT, "The capital of France is", "Hello")]
+    specs = [SteerSpec.zero(site, experts=[0, 2, 5]), SteerSpec.scale(site, 3.0, positions="generated", experts=[1]),
+             None]
+
+    def one(model, ids, spec):
+        def go():
+            return capture_generation(model, ids, [site], max_tokens=5, temperature=0.0, n_logprobs=1)
+        if spec is None:
+            return go()
+        with steer(model, spec):
+            return go()
+
+    async def together():
+        return await asyncio.gather(*(asyncio.to_thread(one, vllm, ids, spec) for ids, spec in zip(prompts, specs)))
+    got = asyncio.run(together())
+    for (ids, spec), (completion, cache) in zip(zip(prompts, specs), got):
+        ref_completion, ref_cache = one(eager, ids, spec)
+        assert completion.token_ids == ref_completion.token_ids, spec
+        for mine, theirs in zip(completion.logprobs, ref_completion.logprobs):
+            assert mine[0]["logprob"] == pytest.approx(theirs[0]["logprob"], abs=1e-4)
+        assert_close_scaled(cache[site], ref_cache[site], msg=str(spec))
+    plain = one(eager, prompts[0], None)[1][site]
+    assert not torch.allclose(got[0][1][site], plain)  # the write was seen
+
+
+def test_vllm_static_refuses_expert_writes_before_any_forward(model_pool):
+    from tests.bridge.vllm.test_static import _declared
+
+    eager = model_pool.get("qwen3_moe")
+    static = model_pool.get("qwen3_moe", "vllm-static", **_declared())
+    ids = eager.to_tokens(PROMPT)
+    spec = SteerSpec.zero(f"mlp_out.{eager.graph.moe_layers[0]}", experts=[1])
+    with pytest.raises(CapabilityUnsupported, match="expert_writes.*vllm-static"):
+        run_with_cache(static, ids, [], steer=spec)
