@@ -4,12 +4,12 @@
 The bugs live in tests/mutant_site/interp_mutants.py: the op math (add a no-op, ablate the
 identity, set ignoring its positions, a scaled add, scale ignored), the position selection (off
 by one), the capture copy (scaled, from the neighbouring layer, written back into the stream,
-stale at decode steps), the steering context, the data transforms, and vLLM's rebuilt attention
-pattern (no causal mask, no soft-cap, tiled GQA heads, a window one key too wide, no sinks). A subprocess runs the
-tests below with that folder on PYTHONPATH, so its sitecustomize installs the wrappers in the
-pytest process and in vLLM's engine and worker processes; the mutant_plugin runs each test as
-written and then under each of its mutants (one engine for all runs) and reports the outcomes.
-Each test must pass as written and fail under every mutant listed for it.
+stale at decode steps), the steering context, the data transforms, vLLM's rebuilt attention
+pattern (no causal mask, no soft-cap, tiled GQA heads, a window one key too wide, no sinks) and the
+experts= write (a no-op). A subprocess runs the tests below with that folder on PYTHONPATH, so
+its sitecustomize installs the wrappers in the pytest process and in vLLM's engine and worker
+processes; the mutant_plugin runs each test as written and then under each of its mutants (one
+engine for all runs) and reports the outcomes. Each test must pass as written and fail under every mutant listed for it.
 
 ``bug@vllm`` / ``bug@eager`` plants the bug in one backend's code only: the laws that compare
 the backends catch those. The smallest subsets that prove the point: the tiny Qwen3 (Qwen3-MoE
@@ -44,6 +44,8 @@ EAGER: dict[str, list[str]] = {
     f"{L}::test_exception_inside_steer_restores_exactly": ["steer_exit_leaks", "add_noop"],
     f"{L}::test_lens_at_the_last_layer_equals_the_logits[qwen3]": ["capture_wrong_layer", "lens_skips_norm"],
     f"{L}::test_expert_assignment_is_the_routers_selection[qwen3_moe]": ["expert_weights_dropped"],
+    f"{L}::test_expert_writes_agree_with_eager_scale_one_is_the_identity_and_zero_is_not[qwen3_moe-eager]":
+        ["expert_write_noop"],
     f"{L}::test_capture_generation_rows_are_a_forward_over_prompt_and_generated[qwen3-eager]":
         ["capture_stale_decode"],
     f"{L}::test_deltas_join_to_the_text_and_seeded_sampling_repeats[qwen3-eager]": ["stream_drops_last_delta"],
@@ -75,6 +77,8 @@ VLLM: dict[str, list[str]] = {
         ["capture_stale_decode"],
     f"{L}::test_deltas_join_to_the_text_and_seeded_sampling_repeats[qwen3-vllm]": ["stream_drops_last_delta"],
     f"{L}::test_refusals_happen_exactly_where_the_table_says[qwen3-vllm]": ["refusal_dropped"],
+    f"{L}::test_expert_writes_agree_with_eager_scale_one_is_the_identity_and_zero_is_not[qwen3_moe-vllm]":
+        ["expert_write_noop", "expert_write_noop@vllm"],
     f"{S}::test_capture_page[vllm]": ["capture_scaled", "capture_wrong_layer"],
     f"{S}::test_capture_while_generating[vllm]": ["capture_stale_decode", "capture_scaled"],
     f"{S}::test_generation_page[vllm]": ["stream_drops_last_delta"],

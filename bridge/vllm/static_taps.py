@@ -149,6 +149,9 @@ class StaticTaps:
         held = []
         try:
             for i, op in enumerate(request.plan.writes):
+                if op.experts is not None:  # a row-wide site would zero or scale the whole block
+                    raise ValueError(f"experts= at {op.address} is not compiled into vllm-static: its sites "
+                                     "write whole rows, not routing weights")
                 site = self.sites.get(op.address)
                 if site is None:
                     raise ValueError(f"{op.address} is not a declared static write site "

@@ -59,11 +59,12 @@ MUTANTS = {
     "pattern_gqa_tiled": "the rebuilt pattern gives query head h the KV head h % n_kv_heads",
     "pattern_window_off_by_one": "the rebuilt pattern keeps one key more than the sliding window",
     "pattern_sinks_dropped": "the rebuilt pattern leaves the attention sinks out of the softmax",
+    "expert_write_noop": "an experts= write leaves the routing weights as they were",
 }
 
 SIDED = {"add_noop", "ablate_identity", "set_ignores_positions", "add_scaled", "write_noop",
          "positions_off_by_one", "capture_scaled", "capture_wrong_layer", "capture_writes_stream",
-         "capture_stale_decode"}
+         "capture_stale_decode", "expert_write_noop"}
 
 _FILE = os.environ.get("INTERP_ENGINE_MUTANT_FILE")
 _FIXED = os.environ.get("INTERP_ENGINE_MUTANT", "")
@@ -132,10 +133,23 @@ def _ops_wrappers(side: str):
     return mutant_apply_write, mutant_select_rows
 
 
+def _experts_wrapper(side: str):
+    from interp_engine import _ops
+
+    weight_experts = _ops.weight_experts
+
+    def mutant_weight_experts(weights, indices, experts, factor, sel):
+        if active("expert_write_noop", side):
+            return weights
+        return weight_experts(weights, indices, experts, factor, sel)
+    return mutant_weight_experts
+
+
 def _patch_eager(module) -> None:
     import torch
 
     module.apply_write, module.select_rows = _ops_wrappers("eager")
+    module.weight_experts = _experts_wrapper("eager")
     backend = module.EagerBackend
     read_key, decode = backend._read_key, backend.decode
 
@@ -194,6 +208,7 @@ def _patch_hooks(module) -> None:
 
 def _patch_runtime(module) -> None:
     module.apply_write, module.select_rows = _ops_wrappers("vllm")
+    module.weight_experts = _experts_wrapper("vllm")
     stored = module.stored
 
     def mutant_stored(t):

@@ -87,3 +87,20 @@ def test_vllm_static_refuses_expert_writes_before_any_forward(model_pool):
     spec = SteerSpec.zero(f"mlp_out.{eager.graph.moe_layers[0]}", experts=[1])
     with pytest.raises(CapabilityUnsupported, match="expert_writes.*vllm-static"):
         run_with_cache(static, ids, [], steer=spec)
+
+
+def test_an_expert_write_past_the_client_fails_its_request_in_a_static_worker(model_pool, monkeypatch):
+    """A plan that reaches a vllm-static worker without the client's refusal (another client, a
+    server) fails its own request there; a compiled row-wide site never takes it as a whole-row
+    zero."""
+    from tests.bridge.vllm.test_static import _declared
+
+    eager = model_pool.get("qwen3_moe")
+    static = model_pool.get("qwen3_moe", "vllm-static", **_declared())
+    ids = eager.to_tokens(PROMPT)
+    site = f"mlp_out.{eager.graph.moe_layers[0]}"
+    monkeypatch.setattr(static.backend, "refusal", lambda *args, **kwargs: None)
+    with pytest.raises(RuntimeError, match="not compiled into vllm-static"):
+        run_with_cache(static, ids, [site], steer=SteerSpec.zero(site, experts=[1]))
+    monkeypatch.undo()
+    assert run_with_cache(static, ids, [site])[site].abs().max() > 0  # the engine serves on
