@@ -104,3 +104,29 @@ def test_an_expert_write_past_the_client_fails_its_request_in_a_static_worker(mo
         run_with_cache(static, ids, [site], steer=SteerSpec.zero(site, experts=[1]))
     monkeypatch.undo()
     assert run_with_cache(static, ids, [site])[site].abs().max() > 0  # the engine serves on
+
+
+def test_expert_writes_under_tensor_parallelism_equal_the_tp1_run_and_eager(model_pool):
+    """Each rank holds a slice of every expert; both scale the same routing weights, so the
+    all-reduced block output is the written one. Greedy steps written at generated positions
+    only agree too."""
+    eager = model_pool.get("qwen3_moe")
+    two = model_pool.get("qwen3_moe", "vllm", tensor_parallel_size=2)
+    ids = eager.to_tokens(PROMPT)
+    layer = eager.graph.moe_layers[-1]
+    site, last = f"mlp_out.{layer}", f"resid_post.{eager.n_layers - 1}"
+    x, _ = _block_io(eager, ids, layer)
+    busy = _busy_expert(eager, ids, x, layer)
+    spec = SteerSpec.zero(site, experts=sorted({busy, (busy + 3) % eager.graph.n_experts}))
+    want = run_with_cache(eager, ids, [site, last], steer=spec)
+    got = run_with_cache(two, ids, [site, last], steer=spec)
+    assert not torch.allclose(want[site], run_with_cache(eager, ids, [site])[site])
+    for point in (site, last):
+        assert_close_scaled(got[point], want[point], msg=point)
+    later = SteerSpec.zero(f"mlp_out.{eager.graph.moe_layers[0]}", positions="generated", experts=[2, 5])
+    with steer(eager, later):
+        ref = capture_generation(eager, ids, [site], max_tokens=5, temperature=0.0, n_logprobs=1)
+    with steer(two, later):
+        mine = capture_generation(two, ids, [site], max_tokens=5, temperature=0.0, n_logprobs=1)
+    assert mine[0].token_ids == ref[0].token_ids
+    assert_close_scaled(mine[1][site], ref[1][site])
