@@ -25,7 +25,7 @@ from ._plan import Plan, SteerSpec, capture_plan, check_batch, steer_plan
 from ._sampling import SamplingConfig, sampling_from_params
 from ._shapes import entry
 from ._steered import SteeredModel
-from ._tokens import TokenBatch
+from ._tokens import TokenBatch, flat_ids
 
 __all__ = [
     "Completion", "GenStep", "active_steering", "capture_generation", "decode_residuals",
@@ -231,6 +231,9 @@ class _TextDeltas:
 
 
 def _prompt_ids(model: Model, tokens: Tokens) -> list[int]:
+    ids = flat_ids(tokens, model.graph.d_vocab)
+    if ids is not None:
+        return ids
     batch = model.batch(tokens)
     if len(batch) != 1:
         raise ValueError(f"generation takes one prompt, got a batch of {len(batch)}: call it per prompt")

@@ -53,6 +53,19 @@ def _from_rows(rows: list[list[int]], pad_id: int) -> TokenBatch:
     return TokenBatch(ids, mask)
 
 
+def flat_ids(tokens: object, d_vocab: int) -> list[int] | None:
+    """One prompt given as a list (or tuple) of ids, checked as ``as_batch`` checks it, without
+    building a batch (a generation request's common case); None for anything else."""
+    if not isinstance(tokens, (list, tuple)) or not tokens:
+        return None
+    if not all(type(t) is int for t in tokens):  # bools, numpy ints, nested rows: the general path
+        return None
+    if min(tokens) < 0 or max(tokens) >= d_vocab:
+        bad = [t for t in tokens if t < 0 or t >= d_vocab][:5]
+        raise ValueError(f"token ids outside the vocabulary [0, {d_vocab}): {bad}")
+    return list(tokens)
+
+
 def as_batch(tokens: TokensLike, d_vocab: int, pad_id: int = 0) -> TokenBatch:
     """Normalise what users pass (a TokenBatch, a ``[pos]`` or ``[batch, pos]`` tensor, a list
     of ids, or a list of lists) and check it: non-empty, integer, ids inside the vocabulary."""

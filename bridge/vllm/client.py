@@ -414,6 +414,10 @@ class VllmBackend:
         rid = f"{_PROCESS}{n:x}"  # unique across clients of one worker (os.urandom per request is slow)
         extra = None if plan.empty else {"interp_engine": plan_to_wire(plan, rid, model=self._fingerprint,
                                                                        sink=rows_to)}
+        if extra is not None:
+            from .validator import issue  # (vLLM's own modules load with the engine, not with this one)
+
+            issue(rid)  # checked by capture_plan / steer_plan: the validator need not parse it again
         params = self._sampling_params(config, extra, streaming)
         external = f"interp-{n}-{_PROCESS[:8]}"
         request = _Request(external, rid, plan, prompt_len, capture, sink)

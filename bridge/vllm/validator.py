@@ -3,7 +3,9 @@ which vLLM calls in the frontend process for every request before it is schedule
 in-process or multiprocess ``LLM``, ``AsyncLLM`` and ``vllm serve`` alike (a bad request there is
 an HTTP 400). It checks a request's plan against the model graph registered in this process
 (``register_graph``; ``load_model`` and ``interp-engine serve`` register theirs), or, where none
-is, its structure and vector names. It leaves logits untouched.
+is, its structure and vector names. It leaves logits untouched. A plan this process's own client
+built (``issue``) from a Plan already checked against the model passes without being parsed
+again; the worker parses every plan in any case, and a bad one fails only its own request.
 """
 
 from __future__ import annotations
@@ -15,9 +17,20 @@ from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
 from .wire import PlanError, plan_from_args
 
-__all__ = ["PlanValidator", "fingerprint", "register_graph", "unregister_graph"]
+__all__ = ["PlanValidator", "fingerprint", "issue", "register_graph", "unregister_graph"]
 
 _GRAPHS: dict[str, Any] = {}
+_ISSUED: dict[str, None] = {}  # rids of plans built here from checked Plans, not yet validated
+_ISSUED_KEEP = 1 << 16  # a request that never reached vLLM leaves its rid: keep the newest only
+
+
+def issue(rid: str) -> None:
+    """Mark the wire plan ``rid`` as built in this process from a Plan that capture_plan /
+    steer_plan checked against the registered graph: validating it once more in the same
+    process would only repeat that work (a parse of every vector, per request)."""
+    _ISSUED[rid] = None
+    if len(_ISSUED) > _ISSUED_KEEP:
+        del _ISSUED[next(iter(_ISSUED))]
 
 
 def fingerprint(graph) -> str:
@@ -70,6 +83,9 @@ class PlanValidator(LogitsProcessor):
         extra = getattr(sampling_params, "extra_args", None)
         if not extra:
             return
+        data = extra.get("interp_engine") if isinstance(extra, dict) else None
+        if isinstance(data, dict) and _ISSUED.pop(data.get("rid"), 0) is None:
+            return  # checked where it was built (``issue``)
         try:
             plan_from_args(extra, graph=graph_for(extra))
         except PlanError:

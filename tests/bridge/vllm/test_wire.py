@@ -163,3 +163,22 @@ def test_tensors_cross_the_wire_bit_for_bit(dtype):
     assert back.dtype == dtype and torch.equal(back, t)
     back.add_(1)  # the copy is writable and its own
     assert not torch.equal(back, t)
+
+
+def test_the_validator_passes_plans_its_process_issued_once_and_parses_every_other(graph):
+    """A plan the client built from a checked Plan (``issue``) is not parsed again in the same
+    process, once; any other plan (a server's request, a second use of the rid) is."""
+    from types import SimpleNamespace
+
+    from bridge.vllm import validator
+
+    wire = _wire()
+    data = wire.plan_to_wire(steer_plan(graph, SteerSpec.add("resid_post.1", torch.randn(D))), "mine-1")
+    data["writes"][0]["op"] = "multiply"  # broken after the check: only a parse would see it
+    params = SimpleNamespace(extra_args={wire.KEY: data})
+    with pytest.raises(wire.PlanError, match="unknown op 'multiply'"):
+        validator.PlanValidator.validate_params(params)
+    validator.issue("mine-1")
+    validator.PlanValidator.validate_params(params)  # issued here: passed as built
+    with pytest.raises(wire.PlanError, match="unknown op 'multiply'"):
+        validator.PlanValidator.validate_params(params)  # once only
