@@ -20,7 +20,6 @@ import torch
 from jaxtyping import Float
 
 from ._address import Address, AddressLike, to_address
-from ._capabilities import CapabilityUnsupported
 from ._graph import ModelGraph
 from ._ops import effective_vector, selector_columns
 from ._points import POINTS
