@@ -30,7 +30,8 @@ def _request(reads, writes, vectors, prompt_len):
 
 
 def _op(address, kind, positions="all", per_position=False, scale=1.0):
-    return SimpleNamespace(address=address, op=kind, positions=positions, per_position=per_position, scale=scale)
+    return SimpleNamespace(address=address, op=kind, positions=positions, per_position=per_position, scale=scale,
+                           experts=None)
 
 
 def _taps(device, fixed):
