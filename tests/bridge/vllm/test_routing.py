@@ -84,25 +84,30 @@ def test_a_layer_whose_vllm_router_routes_otherwise_is_refused_before_any_forwar
     run_with_cache(vllm, [3, 4, 5], [f"router_logits.{layer}"])  # the logits stay served
 
 
+def _moe_tree(router, routed=None):
+    """A stand-in for vLLM's Qwen3-MoE model tree (one layer): the gate module next to the MoE
+    runner ``experts`` that holds ``router`` (and ``routed_experts``)."""
+    from torch import nn
+
+    root = nn.Module()
+    root.model = nn.Module()
+    root.model.layers = nn.ModuleList([nn.Module()])
+    mlp = root.model.layers[0].mlp = nn.Module()
+    mlp.gate = nn.Linear(2, 8)
+    mlp.experts = nn.Module()
+    mlp.experts.router = router
+    if routed is not None:
+        mlp.experts.routed_experts = routed
+    return root
+
+
 def test_router_check_names_each_difference_from_the_rule():
     """bridge/vllm/routing.mismatches on vLLM's own CPU router objects (no engine)."""
-    from torch import nn
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
 
     from bridge.vllm.routing import mismatches
 
-    spec = SPECS["qwen3_moe"]
-
-    def tree(router):
-        root = nn.Module()
-        root.model = nn.Module()
-        root.model.layers = nn.ModuleList([nn.Module()])
-        mlp = root.model.layers[0].mlp = nn.Module()
-        mlp.gate = nn.Linear(2, 8)
-        mlp.experts = nn.Module()
-        mlp.experts.router = router
-        return root
-
+    spec, tree = SPECS["qwen3_moe"], _moe_tree
     same = CPURouter(top_k=2, global_num_experts=8, renormalize=True)
     assert mismatches(tree(same), spec, (2, True), [0]) == {}
     other = CPURouter(top_k=2, global_num_experts=8, renormalize=False, scoring_func="sigmoid")
@@ -116,7 +121,6 @@ def test_expert_write_check_names_why_a_layer_cannot_take_one():
     the fused experts weight each output by the router's weights, refused otherwise."""
     from types import SimpleNamespace
 
-    from torch import nn
     from vllm.model_executor.layers.fused_moe.router.cpu_router import CPURouter
 
     from bridge.vllm.routing import expert_write_refusals
@@ -124,16 +128,8 @@ def test_expert_write_check_names_why_a_layer_cannot_take_one():
     spec = SPECS["qwen3_moe"]
 
     def tree(router, monolithic=False, on_input=False):
-        root = nn.Module()
-        root.model = nn.Module()
-        root.model.layers = nn.ModuleList([nn.Module()])
-        mlp = root.model.layers[0].mlp = nn.Module()
-        mlp.gate = nn.Linear(2, 8)
-        mlp.experts = nn.Module()
-        mlp.experts.router = router
-        mlp.experts.routed_experts = SimpleNamespace(quant_method=SimpleNamespace(is_monolithic=monolithic),
-                                                     apply_router_weight_on_input=on_input)
-        return root
+        return _moe_tree(router, SimpleNamespace(quant_method=SimpleNamespace(is_monolithic=monolithic),
+                                                 apply_router_weight_on_input=on_input))
 
     router = CPURouter(top_k=2, global_num_experts=8, renormalize=True)
     assert expert_write_refusals(tree(router), spec, [0]) == {}
