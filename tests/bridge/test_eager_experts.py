@@ -70,16 +70,23 @@ def _busy_expert(model, ids, x: torch.Tensor, layer: int) -> int:
     return int(torch.bincount(indices.flatten()).argmax())
 
 
+def expert_case(model, ids, layer: int):
+    """The HF reference at an MoE layer: the block's input and clean output, the expert the
+    router picks most, and that expert's share of the output (checked to be used)."""
+    x, clean = _block_io(model, ids, layer)
+    expert = _busy_expert(model, ids, x, layer)
+    share = _shares(model, ids, x, layer, expert)
+    assert share.abs().max() > 0  # the expert is used on this prompt
+    return x, clean, expert, share
+
+
 @pytest.mark.parametrize("arch", MOE_ARCHS)
 def test_zeroing_and_scaling_an_expert_remove_and_scale_its_share(eager_models, arch):
     model = eager_models[arch]
     ids = model.to_tokens(PROMPT)
     layer = model.graph.moe_layers[-1]
     site = f"mlp_out.{layer}"
-    x, clean = _block_io(model, ids, layer)
-    expert = _busy_expert(model, ids, x, layer)
-    share = _shares(model, ids, x, layer, expert)
-    assert share.abs().max() > 0  # the expert is used on this prompt
+    x, clean, expert, share = expert_case(model, ids, layer)
 
     x_zero, zeroed = _block_io(model, ids, layer, SteerSpec.zero(site, experts=[expert]))
     assert torch.equal(x_zero, x)  # a write at this layer leaves its input alone

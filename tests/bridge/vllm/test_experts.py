@@ -15,7 +15,7 @@ import torch
 from interp_engine import CapabilityUnsupported, SteerSpec, capture_generation, run_with_cache, steer
 from interp_engine.testing import assert_close_scaled
 from tests._reference import PROMPT
-from tests.bridge.test_eager_experts import _block_io, _busy_expert, _shares
+from tests.bridge.test_eager_experts import _block_io, _busy_expert, expert_case
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
                                                   reason="vllm not installed")]
@@ -31,10 +31,7 @@ def test_zero_and_scale_an_expert_equal_the_hf_reference(pair):
     ids = eager.to_tokens(PROMPT)
     layer = eager.graph.moe_layers[-1]
     site = f"mlp_out.{layer}"
-    x, clean = _block_io(eager, ids, layer)
-    expert = _busy_expert(eager, ids, x, layer)
-    share = _shares(eager, ids, x, layer, expert)
-    assert share.abs().max() > 0
+    _, clean, expert, share = expert_case(eager, ids, layer)
 
     got = run_with_cache(vllm, ids, [site], steer=SteerSpec.zero(site, experts=[expert]))[site]
     assert_close_scaled(got, clean - share)
