@@ -71,7 +71,7 @@ class _Site:
     count: torch.Tensor
     slot_of: torch.Tensor
     free: list = field(default_factory=list)
-    key: tuple | None = None  # what the maps hold: [(s, e, slot) | (rows, slots)], None when empty
+    key: tuple | None = None  # what the maps hold: [(s, e, slot, add) | (rows, slots, add)], None: empty
     used: int = 0  # slot_of rows written (CUDA only)
 
     def run(self, x: torch.Tensor, base: torch.Tensor | None) -> None:
@@ -96,7 +96,7 @@ class StaticTaps:
             tap = spec.vllm[address.name]
             self.taps[address] = _Tap(
                 address, tap.source, torch.zeros(max_tokens + 1, d_model, dtype=dtype, device=device),
-                torch.zeros(max_tokens, **long), torch.zeros(1, **long),
+                torch.zeros(max_tokens, **long), torch.zeros(2, **long),
                 torch.full((max_tokens,), max_tokens, **long))
         self.sites: dict[Address, _Site] = {}
         for address in writes:
@@ -106,12 +106,13 @@ class StaticTaps:
             self.sites[address] = _Site(
                 address, tap.source, torch.zeros(slots + 1, d_model, dtype=dtype, device=device),
                 torch.zeros(slots + 1, d_model, dtype=dtype, device=device), coef,
-                torch.zeros(max_tokens, **long), torch.zeros(max_tokens, **long), torch.zeros(1, **long),
+                torch.zeros(max_tokens, **long), torch.zeros(max_tokens, **long), torch.zeros(4, **long),
                 torch.zeros(max_tokens, **long), free=list(range(slots, 0, -1)))
         self.owned: dict[int, list[tuple[_Site, list[int]]]] = {}  # id(request) -> slots it holds
         self.idle = True  # every row map is empty (count 0): an idle step has nothing to reset
         self.last_active: list | None = None  # the runtime's layout the maps were last filled for
         self.steady = False  # and none of its writes depends on positions: the next fill for it is free
+        self.reading: list[_Tap] = []  # the taps the last fill gave readers
         self.bytes = sum(t.buf.numel() * t.buf.element_size() for t in self.taps.values()) + sum(
             (s.vec.numel() + s.direction.numel() + s.coef.numel()) * s.vec.element_size()
             for s in self.sites.values())
@@ -146,9 +147,14 @@ class StaticTaps:
         for address in request.plan.reads:
             if address not in self.taps:
                 raise ValueError(f"{address} is not a declared static tap (declared: {[str(a) for a in self.taps]})")
-        held = []
+        held, adds, seen = [], [], set()
         try:
             for i, op in enumerate(request.plan.writes):
+                if op.address in seen:  # the client refuses this; a plan from elsewhere must not
+                    # reach a site whose rows take one slot each (the earlier op would be dropped)
+                    raise ValueError(f"two steering ops at {op.address} in one request: a compiled site "
+                                     "applies one op per row; combine them, or steer at another site")
+                seen.add(op.address)
                 if op.experts is not None:  # a row-wide site would zero or scale the whole block
                     raise ValueError(f"experts= at {op.address} is not compiled into vllm-static: its sites "
                                      "write whole rows, not routing weights")
@@ -171,11 +177,14 @@ class StaticTaps:
                 else:
                     site.vec[index] = vector.to(self.dtype)
                     site.direction[index] = 0
-                site.coef[index] = torch.tensor(affine(op.op, op.scale), dtype=self.dtype, device=self.device)
+                coef = affine(op.op, op.scale)
+                site.coef[index] = torch.tensor(coef, dtype=self.dtype, device=self.device)
+                adds.append(coef == (1.0, 0.0))  # x + v: the op's one-call path (static_ops)
         finally:
             self.owned[id(request)] = held
         request.static_slots = [torch.tensor(slots) for _, slots in held]  # op i, vector row j -> slot
         request.static_first = [slots[0] for _, slots in held]  # op i's slot for a one-vector op
+        request.static_adds = adds  # op i only adds
 
     def forget(self, request) -> None:
         for site, slots in self.owned.pop(id(request), ()):
@@ -187,10 +196,10 @@ class StaticTaps:
         holds the same rows as last step is not rewritten (a steady decode writes nothing)."""
         if not active and self.idle:
             return  # maps already empty: an engine with no plan in flight pays no Python per tap
-        if active and active is self.last_active and self.steady:
+        if self.keeps(active):
             # the runtime kept its layout (same requests at the same rows) and no write here
             # selects positions: the maps hold this step's rows already, and the readers are the same
-            for tap in self.taps.values():
+            for tap in self.reading:
                 tap.readers = tap.last_readers
             return
         for tap in self.taps.values():
@@ -206,14 +215,15 @@ class StaticTaps:
                 if sel.empty:
                     continue
                 parts = work.setdefault(id(self.sites[op.address]), [])
+                add = request.static_adds[i]
                 if sel.rows is None and sel.vector_rows is None:
-                    parts.append((s, e, request.static_first[i]))
+                    parts.append((s, e, request.static_first[i], add))
                     continue
                 held = request.static_slots[i]
                 rows = torch.arange(s, e) if sel.rows is None else sel.rows + s
                 slots = (held[:1].expand(rows.numel()) if sel.vector_rows is None
                          else held.index_select(0, sel.vector_rows))
-                parts.append((tuple(rows.tolist()), tuple(slots.tolist())))
+                parts.append((tuple(rows.tolist()), tuple(slots.tolist()), add))
         built: dict[tuple, torch.Tensor] = {}  # one row list per distinct span set this step
         for tap in self.taps.values():
             self._fill_tap(tap, built)
@@ -227,6 +237,12 @@ class StaticTaps:
                           for request, _, _ in active)
         for tap in self.taps.values():
             tap.last_readers = tap.readers
+        self.reading = [tap for tap in self.taps.values() if tap.readers]
+
+    def keeps(self, active: list) -> bool:
+        """``fill(active, ...)`` would change nothing (and read no positions): the runtime kept
+        the last fill's layout and none of its writes selects positions."""
+        return bool(active) and active is self.last_active and self.steady
 
     def _fill_tap(self, tap: _Tap, built: dict) -> None:
         spans = tuple(sorted({(s, e) for _, s, e in tap.readers}))
@@ -244,7 +260,10 @@ class StaticTaps:
                 rows = built[spans] = torch.cat([torch.arange(s, e) for s, e in spans])
             tap.k = rows.numel()
             tap.rows[:tap.k].copy_(rows)
-            tap.count.fill_(tap.k)
+            # the spans tile rows 0..k-1 (a prefill's requests, one request alone): the op copies
+            # that slice as it is, in one pass, instead of gathering it row by row
+            prefix = spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
+            tap.count.copy_(torch.tensor([tap.k, int(prefix)]))
             if self.fixed:
                 tap.dest.index_copy_(0, rows.to(self.device), torch.arange(tap.k, device=self.device))
                 tap.used = spans[-1][1]  # spans never overlap: the last ends highest
@@ -265,22 +284,36 @@ class StaticTaps:
         if key is None:
             site.count.zero_()
             return
-        rows = torch.cat([torch.arange(p[0], p[1]) if len(p) == 3 else torch.tensor(p[0]) for p in parts])
-        slots = torch.cat([torch.full((p[1] - p[0],), p[2]) if len(p) == 3 else torch.tensor(p[1])
+        rows = torch.cat([torch.arange(p[0], p[1]) if len(p) == 4 else torch.tensor(p[0]) for p in parts])
+        slots = torch.cat([torch.full((p[1] - p[0],), p[2]) if len(p) == 4 else torch.tensor(p[1])
                            for p in parts])
         k = rows.numel()
         site.rows[:k].copy_(rows)
         site.slots[:k].copy_(slots)
-        site.count.fill_(k)
+        add = all(p[-1] for p in parts)
+        if add and len(parts) == 1 and len(parts[0]) == 4:  # one request's span, one vector
+            site.count.copy_(torch.tensor([k, 2, parts[0][0], parts[0][2]]))
+        else:
+            site.count.copy_(torch.tensor([k, int(add), 0, 0]))
         if self.fixed:
             site.slot_of.index_copy_(0, rows.to(self.device), slots.to(self.device))
             site.used = int(rows.max()) + 1
 
     def drain(self, put: Callable[[Any, Address, torch.Tensor, int, int], None]) -> None:
         """After the forward: each reader's rows leave the buffers (``put(request, address,
-        rows, s, e)``), in one copy to the CPU for all taps (one device sync per step)."""
+        rows, s, e)``, which copies them before it returns), in one copy to the CPU for all taps
+        (one device sync per step); on the CPU as views of the buffers."""
         live = [tap for tap in self.taps.values() if tap.readers]
         if not live:
+            return
+        if self.device.type == "cpu":
+            # the buffers are already on the CPU, and every ``put`` copies its rows before the next
+            # forward overwrites them (into a request's buffer, or its sink file): no copy here
+            for tap in live:
+                rows = tap.buf[:tap.k]
+                for request, s, e, offset in tap.readers:
+                    put(request, tap.address, rows[offset:offset + e - s], s, e)
+                tap.readers = []
             return
         if len(live) == 1:
             flat = stored(live[0].buf[:live[0].k])

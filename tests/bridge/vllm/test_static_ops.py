@@ -94,6 +94,23 @@ def test_concurrent_rows_steer_and_capture_exactly_what_each_request_asked(devic
     got = {}
     taps.drain(lambda request, address, rows, s, e: got.__setitem__(address, rows))
     assert set(got) == {POST0, MLP1} and torch.equal(got[MLP1], out.cpu())
+    # only a, which adds: the site takes its slice-add path, exactly x + v
+    taps.fill([(a, 2, 5)], torch.tensor([3, 4, 5]))
+    assert fixed or taps.sites[POST0].count.tolist()[:2] == [3, 2]
+    out = _run(taps, x[:6], None, fixed)
+    assert torch.equal(out[2:5], x[2:5] + v.to(device)) and torch.equal(out[:2], x[:2])
+    assert torch.equal(out[5:], x[5:6])
+    taps.drain(lambda *_: None)
+    # two requests that add, each its own vector: one index_add_, exactly x + each one's v
+    d = _request([], [_op(POST0, "add", positions=(2,))], [-2 * v.to(device)], prompt_len=1)
+    taps.admit(d)
+    taps.fill([(a, 0, 2), (d, 3, 6)], torch.tensor([6, 7, 9, 0, 1, 2]))
+    assert fixed or taps.sites[POST0].count.tolist()[:2] == [3, 1]
+    out = _run(taps, x[:6], None, fixed)
+    assert torch.equal(out[:2], x[:2] + v.to(device)) and torch.equal(out[5], x[5] - 2 * v.to(device))
+    assert torch.equal(out[2:5], x[2:5])
+    taps.drain(lambda *_: None)
+    taps.forget(d)
     taps.fill([], None)
     assert taps.idle and all(int(t.count[0]) == 0 for t in taps.taps.values())
     assert int(taps.sites[POST0].count[0]) == 0
@@ -121,3 +138,16 @@ def test_a_capture_survives_an_in_place_write_to_its_source(device, fixed):
     got = {}
     taps.drain(lambda req, address, rows, s, e: got.__setitem__(address, rows))
     assert torch.equal(got[POST0], want)
+
+
+def test_a_worker_refuses_two_writes_at_one_site_in_one_request():
+    """The client refuses this before any forward; a plan from elsewhere (a server request)
+    fails at admission rather than reach a site whose rows take one slot each, which would drop
+    the first op without a word."""
+    taps = _taps("cpu", False)
+    v = torch.ones(D)
+    request = _request([], [_op(POST0, "add"), _op(POST0, "add")], [v, 2 * v], prompt_len=2)
+    with pytest.raises(ValueError, match="two steering ops at resid_post.0 in one request"):
+        taps.admit(request)
+    taps.forget(request)
+    assert len(taps.sites[POST0].free) == 4  # the slot the first op took is back
