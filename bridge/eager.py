@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import threading
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator
+from typing import AsyncIterator, Callable, Iterator
 
 import torch
 from torch import nn
@@ -107,6 +107,16 @@ class EagerBackend:
                 if batch is not None and len(batch) != rows:
                     return _batched_patch(op, f"a run of {len(batch)} prompts")
         return None
+
+    # ---- harvest: batched forwards here, no workers to write rows into a file -------
+    def sinks(self, plan: Plan) -> bool:
+        return False
+
+    def harvest_into(self, windows: list[list[int]], plan: Plan, max_tokens: int, in_flight: int, path: str,
+                     offsets: Callable[[int], dict[str, int]], positions: int) -> Iterator:
+        raise CapabilityUnsupported("harvest_sink", self.name, why="the eager backend runs its forwards in "
+                                    "this process: no worker writes rows into a file",
+                                    instead="harvest(model, ...) batches eager forwards itself")
 
     # ---- lowering ---------------------------------------------------------------
     def module(self, path: str) -> nn.Module:

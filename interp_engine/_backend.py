@@ -9,7 +9,7 @@ engines is answered by these properties, before any forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Iterator, Protocol, runtime_checkable
+from typing import Any, AsyncIterator, Callable, Iterator, Protocol, runtime_checkable
 
 import torch
 
@@ -76,6 +76,18 @@ class Backend(Protocol):
 
     def assemble(self, plan: Plan, capture: Any) -> dict[Address, torch.Tensor]:
         """A finished request's captures, ``[1, pos, ...]`` per address read."""
+
+    # ---- harvest ------------------------------------------------------------------
+    def sinks(self, plan: Plan) -> bool:
+        """Whether ``harvest_into`` serves this read-only plan: the engine's workers write each
+        request's rows, as they are, into a file the caller maps (else harvest gathers them)."""
+
+    def harvest_into(self, windows: list[list[int]], plan: Plan, max_tokens: int, in_flight: int, path: str,
+                     offsets: Callable[[int], dict[str, int]], positions: int
+                     ) -> Iterator[tuple[int, list[int], dict[Address, torch.Tensor]]]:
+        """Only where ``sinks(plan)``: every window a greedy request of ``max_tokens`` tokens whose
+        rows the workers write into ``path`` (window ``i``'s at ``offsets(i)``); yields ``(i,
+        generated ids, rows the workers could not write whole)`` as windows finish."""
 
     # ---- where the weights are ----------------------------------------------------
     def decode(self, resid: torch.Tensor) -> torch.Tensor: ...

@@ -238,14 +238,6 @@ def _sunk_rows(model: Model, plan, windows: list[list[int]], gen: int, in_flight
     del rows, blocks
 
 
-def _sinks(model: Model, plan) -> bool:
-    """Whether the workers can write this plan's rows into a file themselves: the engine has
-    ``harvest_into`` and each point's raw rows are already its row-major values."""
-    spec = getattr(model.backend, "spec", None)
-    return hasattr(model.backend, "harvest_into") and spec is not None and all(
-        spec.vllm[a.name].post in (None, "heads", "kv_heads", "flat") for a in plan.reads)
-
-
 def _progress(enabled: bool | None, resumed: int):
     from tqdm.auto import tqdm
 
@@ -348,7 +340,7 @@ def harvest(model: Model, prompts: Sequence[str] | str | os.PathLike,
                 if model.backend_name == "eager" and max_tokens == 0:
                     rows = _eager_prompt_rows(model, chunk, reads, batch_size)
                     group = 1  # each item is a batch already
-                elif _sinks(model, plan):
+                elif model.backend.sinks(plan):
                     rows = _sunk_rows(model, plan, chunk, gen, max_in_flight, raw, columns, context_size)
                     group = 1  # each item is _WRITE_ROWS rows already
                 else:

@@ -93,6 +93,9 @@ def _cpu_binding(world: int) -> str | None:
 
 # ---- requests -------------------------------------------------------------------------
 
+_SETTLE_MAX = 256  # harvest windows answered for in one rpc, at most (workers keep 4096 finished)
+
+
 @dataclass
 class _Capture:
     """Where a request's captures land once it ends: address -> [rows, ...] tensors."""
@@ -119,6 +122,8 @@ class _Request:
     finished: bool = False
     generated: int = 0
     released: bool = False
+    deferred: bool = False  # its status is collected by its caller, with others (harvest_into)
+    slot: int | None = None  # its row of the status board (a plan that only writes): see board.py
     # what the workers answered for this request when it finished (collected by the pump, in
     # one rpc for every request that finished in that step), or the exception that rpc raised
     settled: list | BaseException | None = None
@@ -164,6 +169,7 @@ class VllmBackend:
             # vLLM's CPU backend otherwise reserves most of the machine's memory for KV cache
             self._kwargs["kv_cache_memory_bytes"] = 1 << 30
         self._llm = None
+        self._board = None  # where the workers report write-only plans (board.py), once started
         self._lock = threading.RLock()  # one caller inside the engine at a time
         self._wake = threading.Condition()
         self._requests: dict[str, _Request] = {}
@@ -239,6 +245,9 @@ class VllmBackend:
             self._close_engine = _closer(llm)
             infos = llm.collective_rpc("interp_install")
             self.world = len(infos)
+            from .board import StatusBoard
+
+            self._board = StatusBoard(self.world)
             self._routing_mismatch = {int(k): v for k, v in (infos[0].get("routing_mismatch") or {}).items()}
             self._pattern_mismatch = {int(k): v for k, v in (infos[0].get("pattern_mismatch") or {}).items()}
             self._expert_refusals = {int(k): v for k, v in (infos[0].get("expert_write_refusals") or {}).items()}
@@ -261,6 +270,9 @@ class VllmBackend:
             self._fail_all(RuntimeError("the model was closed"))
             self._close_engine()
             self._llm = None
+            if self._board is not None:
+                self._board.close()
+                self._board = None
         self._driver = self._watchdog = None
         self._stop = self._dead = False
         self._in_process = None
@@ -390,6 +402,9 @@ class VllmBackend:
             ignore_eos=not config.stop_at_eos, output_kind=kind,
             skip_special_tokens=True, detokenize=False, stop_token_ids=list(config.stop_token_ids),
             min_tokens=config.min_tokens, extra_args=extra,
+            # made for this one request and never touched again: vLLM's input processor may take
+            # it as it is instead of deep-copying it (and the plan in extra_args) per request
+            skip_clone=True,
         )
 
     def _add(self, prompt: list[int] | None, config: SamplingConfig, plan: Plan, capture: _Capture | None,
@@ -412,15 +427,20 @@ class VllmBackend:
             prompt_len = len(prompt)
         n = next(_ids)
         rid = f"{_PROCESS}{n:x}"  # unique across clients of one worker (os.urandom per request is slow)
-        extra = None if plan.empty else {"interp_engine": plan_to_wire(plan, rid, model=self._fingerprint,
-                                                                       sink=rows_to)}
+        slot = None
+        if plan.writes and not plan.reads and self._board is not None:
+            with self._wake:
+                slot = self._board.take()
+        extra = None if plan.empty else {"interp_engine": plan_to_wire(
+            plan, rid, model=self._fingerprint, sink=rows_to,
+            board=None if slot is None else self._board.where(slot))}
         if extra is not None:
             from .validator import issue  # (vLLM's own modules load with the engine, not with this one)
 
             issue(rid)  # checked by capture_plan / steer_plan: the validator need not parse it again
         params = self._sampling_params(config, extra, streaming)
         external = f"interp-{n}-{_PROCESS[:8]}"
-        request = _Request(external, rid, plan, prompt_len, capture, sink)
+        request = _Request(external, rid, plan, prompt_len, capture, sink, slot=slot)
         if capture is not None:
             capture.rid = rid
         with self._wake:
@@ -461,7 +481,8 @@ class VllmBackend:
             try:
                 llm.llm_engine.add_request(request.external_id, prompt, params)
             except Exception as exc:  # vLLM's validation of this request: the caller's to see
-                request.finished = True
+                request.finished = request.released = True
+                self._give_slot(request)
                 request.sink(_Refused(exc))
                 continue
             self._requests[request.external_id] = request
@@ -507,8 +528,14 @@ class VllmBackend:
                 if out.finished:
                     request.finished = True
                     self._requests.pop(out.request_id, None)
-                    if not request.plan.empty and not request.released:
-                        ended.append(request)
+                    if not request.plan.empty and not request.released and not request.deferred:
+                        if request.slot is not None and self._board.ok(request.slot):
+                            # every worker served its writes (board.py): nothing to collect, and
+                            # the workers free it themselves
+                            request.released, request.settled = True, []
+                            self._give_slot(request)
+                        else:
+                            ended.append(request)
                 delivered.append((request, out))
             if ended:
                 self._collect(llm, ended)
@@ -527,6 +554,16 @@ class VllmBackend:
         for i, request in enumerate(ended):
             request.released = True
             request.settled = answers if isinstance(answers, BaseException) else [a[i] for a in answers]
+            self._give_slot(request)
+
+    def _give_slot(self, request: _Request) -> None:
+        """``request``'s board row back, once no worker can write for it any more (it ended and
+        was settled or collected, or its release rpc returned)."""
+        if request.slot is not None:
+            slot, request.slot = request.slot, None
+            with self._wake:
+                if self._board is not None:
+                    self._board.give(slot)
 
     def _drive(self) -> None:
         """The driver thread of a multiprocess engine: pump while requests are in flight."""
@@ -595,6 +632,7 @@ class VllmBackend:
             if not request.released and not request.plan.empty and self._llm is not None and not self._dead:
                 request.released = True
                 self._llm.collective_rpc("interp_release", args=(request.rid,))
+                self._give_slot(request)
 
     def _step_failed(self) -> RuntimeError:
         if self._dead:
@@ -619,6 +657,7 @@ class VllmBackend:
         if results is None:  # the pump did not collect it: do it now
             results = self.rpc("interp_collect", request.rid, n)
             request.released = True
+            self._give_slot(request)
         elif isinstance(results, BaseException):
             raise RuntimeError("collecting this request's captures from the vLLM workers failed") from results
         errors = [r.get("error") for r in results if r.get("found") and r.get("error")]
@@ -703,29 +742,49 @@ class VllmBackend:
         finally:
             self._abort(request)
 
+    def sinks(self, plan: Plan) -> bool:
+        """The workers write a harvest plan's rows into its file themselves where each point's
+        rows are already its row-major values (not a pattern rebuilt from q | k)."""
+        return all(self.spec.vllm[a.name].post in (None, "heads", "kv_heads", "flat") for a in plan.reads)
+
     def harvest_into(self, windows: list[list[int]], plan: Plan, max_tokens: int, in_flight: int,
                      path: str, offsets: Callable[[int], dict[str, int]], positions: int
                      ) -> Iterator[tuple[int, list[int], dict[Address, torch.Tensor]]]:
         """Harvest's engine: every window as its own greedy request of ``max_tokens`` tokens,
         ``in_flight`` at once, whose workers write its ``positions`` rows of each read straight
-        into the file at ``path`` (made by the caller, ``offsets(i)``: where window ``i``'s rows
-        of each read go), so only small answers cross back. Yields ``(i, generated token ids,
-        rows)`` as windows finish (any order); ``rows`` holds only what the workers could not
-        write whole (the slices of a point sharded over tensor-parallel ranks, joined here)."""
+        into the file at ``path`` as they read them (made by the caller, ``offsets(i)``: where
+        window ``i``'s rows of each read go), so only small answers cross back. Yields ``(i,
+        generated token ids, rows)`` as windows finish (any order), each checked by its workers
+        first; ``rows`` holds only what the workers could not write whole (the slices of a point
+        sharded over tensor-parallel ranks, joined here).
+
+        A finished window's place goes to the next one at once; its workers' answer is fetched
+        later, in one rpc for up to ``_SETTLE_MAX`` finished windows (and for the last ones when
+        nothing else is in flight), so the engine never waits between steps on an rpc per step."""
         import collections
 
         config = SamplingConfig(max_tokens=max_tokens, temperature=0.0, stop_at_eos=False)
         done: queue.SimpleQueue = queue.SimpleQueue()
         todo = collections.deque(range(len(windows)))
         live: dict[int, tuple[_Request, list[int]]] = {}
+        ended: list[tuple[int, _Request, list[int]]] = []  # finished in the engine, not yet answered for
+        batch = max(1, min(in_flight, _SETTLE_MAX))
         try:
-            while todo or live:
+            while todo or live or ended:
                 while todo and len(live) < in_flight:
                     i = todo.popleft()
                     sink = {"path": path, "offsets": offsets(i), "positions": positions}
-                    live[i] = (self._add(windows[i], config, plan, _Capture(), lambda out, i=i: done.put((i, out)),
-                                         rows_to=sink, streaming=False), [])
+                    request = self._add(windows[i], config, plan, _Capture(), lambda out, i=i: done.put((i, out)),
+                                        rows_to=sink, streaming=False)
+                    request.deferred = True
+                    live[i] = (request, [])
                 self._release()  # the windows just queued enter one step together
+                if ended and (len(ended) >= batch or not live):
+                    self._settle_many([request for _, request, _ in ended])
+                    for i, request, tokens in ended:
+                        yield i, tokens, self._sunk(request)
+                    ended = []
+                    continue
                 if self.in_process:
                     while done.empty():
                         if not self._pump() and done.empty():
@@ -739,10 +798,19 @@ class VllmBackend:
                 tokens.extend(out.outputs[0].token_ids)
                 if out.finished:
                     del live[i]
-                    yield i, tokens, self._sunk(request)
+                    ended.append((i, request, tokens))
         finally:
             for request, _ in live.values():
                 self._abort(request)
+            for _, request, _ in ended:
+                self._abort(request)
+
+    def _settle_many(self, requests: list[_Request]) -> None:
+        """The workers' answers for finished requests their caller collects itself, in one rpc
+        between engine steps (an rpc that fails is each request's error, raised by _answers)."""
+        llm = self._engine()
+        with self._lock:
+            self._collect(llm, [r for r in requests if not r.released])
 
     def _sunk(self, request: _Request) -> dict[Address, torch.Tensor]:
         """A finished harvest request: its workers' answers checked, the rows they sent joined."""

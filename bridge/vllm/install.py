@@ -31,7 +31,7 @@ def install_runtime(runner: Any):
 
     spec = spec_for_config(runner.model_config.hf_config)
     rank, world = tp_rank_and_size()
-    runtime = Runtime(runner, spec, store_captures=rank == 0)
+    runtime = Runtime(runner, spec, store_captures=rank == 0, rank=rank)
     runtime.routing = rule_of(spec, runner.model_config.hf_config)
     # points a tensor-parallel rank holds only a slice of are stored on every rank
     runtime.rank_shards = {name for name, tap in spec.vllm.items() if tap.sharded} if world > 1 else set()

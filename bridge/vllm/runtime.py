@@ -9,8 +9,8 @@ and a decode step that holds the same requests at the same rows as the last one 
 last one's work (the steering adds in one ``index_add_`` per site, the decode rows of a
 point's readers in one ``index_copy_``): only the positions are new. Captures leave through ``collect`` (an rpc the
 client calls when its request finished) or are written to the file a request names when it ends;
-a harvest request's plan names a sink (a file the client maps, and where its rows go in it), and
-``collect`` writes the rows there and answers only whether it did.
+a harvest request's plan names a sink (a file the client maps, and where its rows go in it): its
+rows go there as they are read (sink.py), and ``collect`` answers only whether all of them did.
 
 It holds no client state: only what the requests themselves carry. It never raises into
 vLLM's forward: an error while serving one request is recorded against that request (its
@@ -28,6 +28,7 @@ of them when the request's captures leave (``attention.pattern_from_rows``).
 from __future__ import annotations
 
 import collections
+import functools
 import logging
 import os
 import threading
@@ -42,8 +43,10 @@ from interp_engine._address import Address
 from interp_engine._ops import apply_write, expert_factor, route, select_rows, stored, weight_experts
 from specs import ArchSpec, VllmTap
 
+from .board import FAILED, OK, BoardFiles
 from .buffers import Arena, Buffer
 from .routing import experts_path
+from .sink import SinkFiles, SinkWriter
 from .wire import WirePlan, plan_from_args, process_registry, tensor_to_wire
 
 __all__ = ["Runtime"]
@@ -69,12 +72,27 @@ class _Request:
     capacity: int = 16  # positions it can reach (prompt + max_tokens): each buffer's first size
     # its work at each hooked site, worked out once: (site, before the module?, entry without rows)
     work: list[tuple[_Site, bool, tuple]] | None = None
+    # a harvest request's rows, written into its sink as they are read (sink.py); None: not yet
+    # opened, False: not writable here (another machine's file: its rows are buffered instead)
+    sink: SinkWriter | None | bool = None
+    # a write-only plan's status byte on the client's board (board.py): called with OK once
+    # admitted, FAILED when serving it fails; None: the client collects its status by rpc
+    report: Callable[[int], object] | None = None
+
+    def fail(self, error: str) -> None:
+        """Serving this request failed (the first error is the one kept): its client's to see."""
+        if self.error is None:
+            self.error = error
+        if self.report is not None:
+            self.report(FAILED)
 
     def drop(self) -> None:
-        """Let its captured rows go."""
+        """Let its captured rows go (and its sink file)."""
         for buffer in self.buffers.values():
             buffer.drop()
         self.buffers.clear()
+        if self.sink:
+            self.sink.close()
 
 
 class _Wrapped:
@@ -128,13 +146,15 @@ class _Site:
 class Runtime:
     """Per worker process. ``install`` once after the model is loaded."""
 
-    def __init__(self, runner: Any, spec: ArchSpec, store_captures: bool = True) -> None:
+    def __init__(self, runner: Any, spec: ArchSpec, store_captures: bool = True, rank: int = 0) -> None:
         self.runner = runner
+        self.rank = rank  # this worker's tensor-parallel rank: its byte of a status board row
         self.root: nn.Module = runner.model
         self.spec = spec
         self.store_captures = store_captures  # False on tensor-parallel ranks > 0 for replicated points
         self.rank_shards: set[str] = set()  # point names stored on every rank (sharded taps)
         self.registry = process_registry()
+        self.decoded: dict = {}  # steering ops decoded from plans, by content (wire.plan_from_args)
         self.requests: dict[str, _Request | None] = {}  # vLLM req id -> state (None: no plan)
         self.by_rid: dict[str, _Request] = {}  # the plan's own rid -> state
         self.finished: collections.OrderedDict[str, _Request] = collections.OrderedDict()
@@ -145,8 +165,11 @@ class Runtime:
         self.active: list[tuple[_Request, int, int]] = []
         self._layout: tuple | None = None  # the last forward's (request ids, row starts)
         self._stale = True  # lay the next forward out afresh even if its layout is the last one's
+        self._reading = False  # some request of the laid-out forward captures
         self._worked: dict[tuple[int, str], tuple] = {}  # each site's work, worked out (_apply)
         self.arenas: dict[Address, Arena] = {}  # each point's rows, for all its readers (buffers.py)
+        self.sink_files = SinkFiles()  # harvest sink files open for writing (sink.py)
+        self.boards = BoardFiles()  # the clients' status boards (board.py)
         self.lock = threading.Lock()
         self.device = next(self.root.parameters()).device
         self.dtype = next(self.root.parameters()).dtype
@@ -172,7 +195,7 @@ class Runtime:
         except Exception as exc:  # never into vLLM's forward
             log.exception("interp_engine runtime: row map failed")
             for request, _, _ in self.active:
-                request.error = request.error or f"row map failed: {exc!r}"
+                request.fail(f"row map failed: {exc!r}")
             self._clear_sites()
             self.active = []
             self._stale = True
@@ -203,6 +226,11 @@ class Runtime:
             if self.static is not None:
                 self.static.fill([], None)
             return
+        if self.static is not None and not self._reading and self.static.keeps(self.active):
+            # compiled writes on rows the maps already hold, and nothing read: no positions needed
+            self.positions = self.pos_np = None
+            self.static.fill(self.active, None)
+            return
         # positions is a persistent buffer vLLM rewrites every step: copy it
         self.positions = positions.detach().to("cpu", copy=True) if positions is not None else None
         self.pos_np = self.positions.numpy() if self.positions is not None else None
@@ -221,6 +249,7 @@ class Runtime:
             if request is None or request.error is not None:
                 continue
             self.active.append((request, starts[j], starts[j + 1]))
+        self._reading = any(request.plan.reads for request, _, _ in self.active)
         if self.static is None:
             for request, s, e in self.active:
                 self._plan_rows(request, s, e)
@@ -232,7 +261,7 @@ class Runtime:
         if not extra:
             return None
         try:
-            plan = plan_from_args(extra, registry=self.registry, rid=req_id)
+            plan = plan_from_args(extra, registry=self.registry, rid=req_id, memo=self.decoded)
         except Exception as exc:
             plan = WirePlan(str(extra.get("interp_engine", {}).get("rid", req_id)) if isinstance(
                 extra.get("interp_engine"), dict) else req_id, (), ())
@@ -260,6 +289,10 @@ class Runtime:
                     self._site(self._tap(op.address.name, True).module_path(op.address.layer))
         except Exception as exc:
             request.error = f"cannot serve this plan here: {exc!r}"
+        if request.error is None and request.plan.board is not None:
+            path, at = request.plan.board
+            if self.boards.mark(path, at + self.rank, OK):
+                request.report = functools.partial(self.boards.mark, path, at + self.rank)
         self.by_rid[plan.rid] = request
         return request
 
@@ -390,7 +423,7 @@ class Runtime:
     @staticmethod
     def _failed(request: _Request, exc: Exception) -> None:
         log.exception("interp_engine runtime: request %s failed", request.plan.rid)
-        request.error = request.error or f"{type(exc).__name__}: {exc}"
+        request.fail(f"{type(exc).__name__}: {exc}")
 
     def _write(self, request: _Request, i: int, x: torch.Tensor, s: int, e: int,
                base: torch.Tensor | None) -> None:
@@ -492,6 +525,9 @@ class Runtime:
         """``rows`` (already copied to the CPU) are rows s:e of this forward."""
         if e <= s:
             return
+        if request.plan.sink is not None and request.sink is not False and self._sinks(address):
+            self._sink_rows(request, address, rows, s, e)
+            return
         buffer = request.buffers.get(address)
         if buffer is None:
             buffer = self._buffer(request, address)
@@ -501,6 +537,25 @@ class Runtime:
             buffer.put(first, rows)
         else:
             buffer.put_at(self.positions[s:e], rows)
+
+    def _sinks(self, address: Address) -> bool:
+        """Whether this worker writes a harvest request's rows of ``address`` into its sink
+        itself: whole rows (not a tensor-parallel rank's slice) that leave as they are read."""
+        return (self.store_captures and address.name not in self.rank_shards
+                and self.spec.vllm[address.name].source != "attn_qk")
+
+    def _sink_rows(self, request: _Request, address: Address, rows: torch.Tensor, s: int, e: int) -> None:
+        try:
+            if request.sink is None:
+                try:
+                    request.sink = SinkWriter(request.plan.sink, self.sink_files)
+                except FileNotFoundError:  # the client's file is on another machine: buffer, send back
+                    request.sink = False
+                    self._read(request, address, rows, s, e)
+                    return
+            request.sink.write(address, rows, self.pos_np[s:e])
+        except Exception as exc:  # this request's error; the others in the forward go on
+            self._failed(request, exc)
 
     def _apply(self, work: list, source: str, x: torch.Tensor, base: torch.Tensor | None,
                read_value: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
@@ -617,8 +672,13 @@ class Runtime:
     def _finish(self, request: _Request) -> None:
         if self.static is not None:
             self.static.forget(request)
-        if request.plan.capture_path:
-            self._write_file(request)
+        if request.sink:
+            request.sink.close()  # its rows are all in (collect checks they are)
+        if request.plan.capture_path or (request.report is not None and request.error is None):
+            # a capture file written, or a write-only plan its client settles from the board:
+            # nobody collects it
+            if request.plan.capture_path:
+                self._write_file(request)
             self.by_rid.pop(request.plan.rid, None)
             request.drop()
             return
@@ -664,6 +724,14 @@ class Runtime:
         if request.error is None:
             for address in request.plan.reads:
                 if not self.store_captures and address.name not in self.rank_shards:
+                    continue
+                if request.sink and self._sinks(address):  # written as they were read
+                    rows = n_positions if n_positions is not None else int(request.sink.seen[address].sum()) \
+                        if address in request.sink.seen else 0
+                    if not request.sink.complete(address, rows):
+                        out["error"] = (f"{address}: the worker did not write every one of the request's {rows} "
+                                        "positions into its sink (prefix caching or speculative decoding may be on)")
+                        break
                     continue
                 buffer = request.buffers.get(address)
                 have = 0 if buffer is None else buffer.filled
@@ -752,10 +820,12 @@ class Runtime:
                 "finished": len(self.finished), "by_rid": len(self.by_rid), "sites": len(self.sites),
                 "hooks": sum(len(s.handles) for s in self.sites.values()) + 1,
                 "forwards": self.steps, "forward_rows": list(self.forward_rows),
-                "scheduled": len(self.runner.requests)}
+                "scheduled": len(self.runner.requests), "sink_files": len(self.sink_files.open)}
 
     def uninstall(self) -> None:
         self._handle.remove()
+        self.sink_files.close_all()
+        self.boards.close_all()
         for site in self.sites.values():
             for handle in site.handles:
                 handle.remove()

@@ -43,7 +43,7 @@ def install_static(runtime: Any, runner: Any) -> None:
         except Exception as exc:  # never into vLLM's forward: fail the readers instead
             for tap in taps.taps.values():
                 for request, *_ in tap.readers:
-                    request.error = request.error or f"static capture failed: {exc!r}"
+                    request.fail(f"static capture failed: {exc!r}")
                 tap.readers = []
         return None
 

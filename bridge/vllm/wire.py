@@ -141,6 +141,7 @@ class WirePlan:
     writes: tuple[WireOp, ...]
     capture_path: str | None = None  # write captures here when the request ends (else: rpc)
     sink: "WireSink | None" = None  # write the rows into a file the client maps (harvest)
+    board: tuple[str, int] | None = None  # (file, byte of rank 0): where a write-only plan reports (board.py)
 
     @property
     def empty(self) -> bool:
@@ -148,9 +149,10 @@ class WirePlan:
 
 
 def plan_to_wire(plan: Plan, rid: str, capture_path: str | None = None, model: str | None = None,
-                 sink: Mapping | None = None) -> dict:
+                 sink: Mapping | None = None, board: Mapping | None = None) -> dict:
     """A validated Plan as plain data for ``SamplingParams(extra_args={KEY: ...})``. ``sink``:
-    ``{"path", "offsets": {address: byte offset}, "positions"}`` (see WireSink)."""
+    ``{"path", "offsets": {address: byte offset}, "positions"}`` (see WireSink); ``board``:
+    ``{"path", "at"}``, the status bytes of a plan that only writes (board.py)."""
     writes = []
     for op in plan.writes:
         if op.batched:
@@ -176,6 +178,8 @@ def plan_to_wire(plan: Plan, rid: str, capture_path: str | None = None, model: s
     if sink is not None:
         data["sink"] = {"path": str(sink["path"]), "positions": int(sink["positions"]),
                         "offsets": {str(k): int(v) for k, v in sink["offsets"].items()}}
+    if board is not None:
+        data["board"] = {"path": str(board["path"]), "at": int(board["at"])}
     return data
 
 
@@ -285,6 +289,31 @@ def _write(entry: Mapping, graph, registry: VectorRegistry) -> WireOp:
     return WireOp(address, op, effective, positions, per_position, columns, float(scale), experts)
 
 
+_MEMO_MAX = 256  # decoded writes kept per memo (cleared when full: a few vectors are the usual case)
+
+
+def _write_once(entry, graph, registry: VectorRegistry, memo: dict | None) -> WireOp:
+    """``_write(entry)``, or the op a write of the same content decoded into before (ops are
+    immutable and their vectors are only read). Only valid writes are kept: a bad one raises
+    every time."""
+    if memo is None or not isinstance(entry, Mapping):
+        return _write(entry, graph, registry)
+    try:
+        # with each value's type: True == 1 and 1 == 1.0, but only some of them pass _write
+        key = tuple(sorted((k, type(v), tuple((type(x), x) for x in v) if isinstance(v, list) else v)
+                           for k, v in entry.items()))
+        hash(key)
+    except TypeError:  # nested lists (a per-position vector sent as floats): decode it afresh
+        return _write(entry, graph, registry)
+    op = memo.get(key)
+    if op is None:
+        op = _write(entry, graph, registry)
+        if len(memo) >= _MEMO_MAX:
+            memo.clear()
+        memo[key] = op
+    return op
+
+
 def _experts(value, address: Address, op: str, columns, graph) -> tuple[int, ...] | None:
     """An ``experts`` list: zero or scale at an MoE layer's mlp_out, experts within the router."""
     if value is None:
@@ -335,9 +364,12 @@ def _columns(value, address: Address, width: int | None) -> tuple[int, ...] | No
 
 
 def plan_from_args(extra_args: Mapping | None, graph=None, registry: VectorRegistry | None = None,
-                   rid: str | None = None) -> WirePlan | None:
+                   rid: str | None = None, memo: dict | None = None) -> WirePlan | None:
     """The plan a request carries (None when it carries none), checked against ``graph``
-    when one is known. Raises PlanError saying what to send instead."""
+    when one is known. Raises PlanError saying what to send instead. ``memo``: a dict the
+    caller keeps (for one graph and registry) of the writes it has decoded, by their content,
+    so that a steering op many requests send (the same vector, scale and site) is decoded and
+    checked once (~60 us a request in a worker)."""
     if not extra_args:
         return None
     registry = registry if registry is not None else process_registry()
@@ -352,6 +384,7 @@ def plan_from_args(extra_args: Mapping | None, graph=None, registry: VectorRegis
         plan_rid = str(data.get("rid") or rid or "")
         capture_path = data.get("capture_path")
         sink = data.get("sink")
+        board = data.get("board")
     elif any(key in extra_args for key in FLAT_KEYS):
         unknown = sorted(k for k in extra_args if k.startswith("interp_") and k not in FLAT_KEYS)
         if unknown:
@@ -367,7 +400,7 @@ def plan_from_args(extra_args: Mapping | None, graph=None, registry: VectorRegis
         if isinstance(reads, str):
             reads = [r.strip() for r in reads.split(",") if r.strip()]
         capture_path = extra_args.get("interp_capture_path")
-        sink = None  # a server request never names a file the workers write into
+        sink = board = None  # a server request never names a file the workers write into
         plan_rid = str(capture_path or rid or "")  # the server flushes a capture by its path
         if reads and not capture_path:
             raise _fail("interp_capture needs interp_capture_path (interp-engine serve sets it and returns it)")
@@ -378,11 +411,23 @@ def plan_from_args(extra_args: Mapping | None, graph=None, registry: VectorRegis
         address = _address(value, "capture point")
         _check_graph(address, graph, writing=False)
         addresses.append(address)
-    ops = tuple(_write(entry, graph, registry) for entry in writes)
+    ops = tuple(_write_once(entry, graph, registry, memo) for entry in writes)
     if capture_path is not None and not isinstance(capture_path, str):
         raise _fail("capture_path must be a string")
     reads = tuple(dict.fromkeys(addresses))
-    return WirePlan(plan_rid, reads, ops, capture_path, None if sink is None else _sink(sink, reads))
+    return WirePlan(plan_rid, reads, ops, capture_path, None if sink is None else _sink(sink, reads),
+                    None if board is None else _board(board, reads))
+
+
+def _board(value, reads: tuple[Address, ...]) -> tuple[str, int]:
+    if reads:
+        raise _fail("a plan that reads brings its rows back by rpc: 'board' is only for plans that only write")
+    if not isinstance(value, Mapping) or not isinstance(value.get("path"), str) \
+            or not os.path.isabs(value["path"]) or isinstance(value.get("at"), bool) \
+            or not isinstance(value.get("at"), int) or value["at"] < 0:
+        raise _fail("board must be {'path': an absolute file path, 'at': a byte offset >= 0} "
+                    "(build it with plan_to_wire)")
+    return value["path"], value["at"]
 
 
 def _sink(value, reads: tuple[Address, ...]) -> WireSink:

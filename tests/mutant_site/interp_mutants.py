@@ -300,6 +300,11 @@ def _patch_wire(module) -> None:
         return effective(op, vec, scale, *rest)
     module._effective = mutant_effective
 
+    # The runtime keeps the ops it decoded, by content, for the worker's life; a mutant switched
+    # on between tests would meet ops decoded without it. Decode afresh every time here.
+    write = module._write
+    module._write_once = lambda entry, graph, registry, memo: write(entry, graph, registry)
+
 
 def _patch_client(module) -> None:
     backend = module.VllmBackend

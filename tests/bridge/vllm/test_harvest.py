@@ -1,6 +1,7 @@
-"""harvest on vLLM: many requests in flight, the same rows as the eager backend (1e-5 relative),
-prompt windows and generated positions alike; the workers write the rows into the shard's file
-themselves (no request's rows come back through the rpc)."""
+"""harvest on vLLM and vllm-static: many requests in flight, the same rows as the eager backend
+(1e-5 relative), prompt windows and generated positions alike; the workers write the rows into
+the shard's file themselves as they read them (no request's rows come back through the rpc),
+and the client asks for the finished windows' status in a few rpcs, not one per engine step."""
 
 from __future__ import annotations
 
@@ -17,20 +18,37 @@ POINTS = ["resid_post.0", "z.1", "mlp_out.1"]
 PROMPTS = [f"Item {i}: the capital of France is Paris, and {i} plus one is {i + 1}." for i in range(30)]
 
 
-@pytest.mark.parametrize("max_tokens", [0, 5])
-def test_vllm_rows_equal_the_eager_rows(model_pool, tmp_path, monkeypatch, max_tokens):
-    eager, vllm = model_pool.get(ARCH, "eager"), model_pool.get(ARCH, "vllm")
+STATIC_POINTS = ["resid_post.0", "attn_out.1", "mlp_out.1"]
+N_LAYERS, NAMES = 3, ("resid_pre", "resid_mid", "resid_post", "attn_out", "mlp_out")
+# test_static's declared set: the pool's engine is shared
+DECLARED = tuple(f"{n}.{layer}" for layer in range(N_LAYERS) for n in NAMES)
+
+
+@pytest.mark.parametrize("backend,max_tokens", [("vllm", 0), ("vllm", 5), ("vllm-static", 0), ("vllm-static", 5)])
+def test_vllm_rows_equal_the_eager_rows(model_pool, tmp_path, monkeypatch, backend, max_tokens):
+    eager = model_pool.get(ARCH, "eager")
+    if backend == "vllm":
+        vllm, points = model_pool.get(ARCH, "vllm"), POINTS
+    else:
+        vllm, points = model_pool.get(ARCH, "vllm-static", static_points=DECLARED, static_writes=DECLARED), STATIC_POINTS
     kwargs = dict(context_size=16, max_tokens=max_tokens, shard_bytes=100_000, max_in_flight=16)
-    harvest(eager, PROMPTS, POINTS, tmp_path / "eager", **kwargs)
+    harvest(eager, PROMPTS, points, tmp_path / "eager", **kwargs)
     answers = []  # what the workers answered per finished request: the rows go to the shard's file
-    sunk = type(vllm.backend)._sunk
-    monkeypatch.setattr(type(vllm.backend), "_sunk",
+    rpcs = []  # the status rpcs the client made
+    backend_type = type(vllm.backend)
+    sunk, collect = backend_type._sunk, backend_type._collect
+    monkeypatch.setattr(backend_type, "_sunk",
                         lambda self, request: answers.append(request.settled) or sunk(self, request))
-    report = harvest(vllm, PROMPTS, POINTS, tmp_path / "vllm", **kwargs)
+    monkeypatch.setattr(backend_type, "_collect",
+                        lambda self, llm, ended: rpcs.append(len(ended)) or collect(self, llm, ended))
+    report = harvest(vllm, PROMPTS, points, tmp_path / "vllm", **kwargs)
     assert report.shards > 1 and report.rows > 20
     assert len(answers) == report.rows and not any(a.get("values") for each in answers for a in each)
+    # a finished window's status waits for up to max_in_flight others (and the shard's last ones)
+    assert sum(rpcs) == report.rows and len(rpcs) <= report.rows // 16 + report.shards, rpcs
     a, b = harvest.load(tmp_path / "eager"), harvest.load(tmp_path / "vllm")
     assert torch.equal(a.token_ids, b.token_ids)  # same windows, same greedy continuations
-    for point in POINTS:
+    for point in points:
         torch.testing.assert_close(b[point], a[point], rtol=1e-5, atol=1e-5)
-    assert b.manifest["args"]["backend"] == "vllm"
+    assert b.manifest["args"]["backend"] == backend
+    assert all(stats["sink_files"] == 0 for stats in vllm.backend.worker_stats())  # none left open

@@ -134,6 +134,59 @@ def test_a_harvest_sink_crosses_as_plain_data_and_a_bad_one_is_refused(graph, tm
             wire.plan_from_args({wire.KEY: bad}, graph=graph)
 
 
+def test_a_status_board_crosses_only_with_a_plan_that_only_writes(graph, tmp_path):
+    wire = _wire()
+    steer_only = steer_plan(graph, SteerSpec.add("resid_post.1", torch.randn(D)))
+    board = {"path": str(tmp_path / "board"), "at": 12}
+    data = wire.plan_to_wire(steer_only, "r", board=board)
+    json.dumps(data)
+    assert wire.plan_from_args({wire.KEY: data}, graph=graph).board == (board["path"], 12)
+    assert wire.plan_from_args({wire.KEY: wire.plan_to_wire(steer_only, "r")}, graph=graph).board is None
+    for change, match in ((dict(path="board"), r"absolute file path"), (dict(at=-1), r"byte offset >= 0"),
+                          (dict(at=True), r"byte offset >= 0")):
+        with pytest.raises(wire.PlanError, match=match):
+            wire.plan_from_args({wire.KEY: dict(data, board=dict(board, **change))}, graph=graph)
+    reading = wire.plan_to_wire(capture_plan(graph, ["resid_post.1"]) | steer_only, "r", board=board)
+    with pytest.raises(wire.PlanError, match=r"only for plans that only write"):
+        wire.plan_from_args({wire.KEY: reading}, graph=graph)
+
+
+def test_a_write_many_requests_send_is_decoded_once_and_only_when_it_is_the_same(graph):
+    wire = _wire()
+    v = torch.randn(D)
+    memo: dict = {}
+
+    def ops(spec, rid):
+        data = json.loads(json.dumps(wire.plan_to_wire(steer_plan(graph, spec), rid)))  # as a worker gets it
+        return wire.plan_from_args({wire.KEY: data}, graph=graph, memo=memo).writes
+
+    first = ops(SteerSpec.add("resid_post.1", v, scale=2.0), "a")
+    assert ops(SteerSpec.add("resid_post.1", v, scale=2.0), "b") == first and len(memo) == 1
+    assert ops(SteerSpec.add("resid_post.1", v, scale=2.0), "c")[0] is first[0]
+    # any other content is another op: scale, site, positions, op, vector
+    for other in (SteerSpec.add("resid_post.1", v, scale=3.0), SteerSpec.add("resid_post.2", v, scale=2.0),
+                  SteerSpec.add("resid_post.1", v, scale=2.0, positions="prompt"),
+                  SteerSpec.set("resid_post.1", v), SteerSpec.add("resid_post.1", v * 2, scale=2.0)):
+        got = ops(other, "d")[0]
+        expected = wire.plan_from_args({wire.KEY: wire.plan_to_wire(steer_plan(graph, other), "d")}, graph=graph)
+        assert got is not first[0] and got.address == expected.writes[0].address
+        assert got.positions == expected.writes[0].positions and got.op == expected.writes[0].op
+        assert torch.equal(got.vector, expected.writes[0].vector)
+    assert len(memo) == 6
+    # a bad write is refused every time, never remembered
+    bad = dict(wire.plan_to_wire(steer_plan(graph, SteerSpec.add("resid_post.1", v)), "e"))
+    bad["writes"] = [dict(bad["writes"][0], scale=float("nan"))]
+    for _ in range(2):
+        with pytest.raises(wire.PlanError, match=r"finite"):
+            wire.plan_from_args({wire.KEY: bad}, graph=graph, memo=memo)
+    assert len(memo) == 6
+    # nor is one equal to a remembered one only as Python compares numbers (True == 1, 1 == 1.0)
+    one = dict(bad, writes=[dict(bad["writes"][0], scale=1)])
+    wire.plan_from_args({wire.KEY: one}, graph=graph, memo=memo)
+    with pytest.raises(wire.PlanError, match=r"finite"):
+        wire.plan_from_args({wire.KEY: dict(bad, writes=[dict(bad["writes"][0], scale=True)])}, graph=graph, memo=memo)
+
+
 def test_server_style_flat_arguments(graph, tmp_path):
     wire = _wire()
     v = torch.randn(D)

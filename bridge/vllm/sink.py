@@ -1,0 +1,123 @@
+"""Harvest rows straight into the client's file, as each forward's rows are read.
+
+A harvest request's plan names a sink: a float32 file the client made at its full size and
+maps, and where each point's rows of this request go in it (``wire.WireSink``). The worker
+runtime writes a forward's rows of such a request at their positions as soon as it has read
+them (``SinkWriter.write``): no per-request buffer, no copy at the end, and nothing to do when
+the client asks for the request's status but check that every position was written. Files
+stay open while a request writes into them, shared by every request that names the same file
+(``SinkFiles``): one ``open`` per file, not one per request and point.
+
+A file this process cannot open (a worker on another machine than the client) raises
+``FileNotFoundError`` from ``SinkWriter``: the runtime then buffers the rows and sends them
+back through the collect rpc, as for any capture.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import torch
+
+from interp_engine._address import Address
+
+from .wire import WireSink
+
+__all__ = ["SinkFiles", "SinkWriter"]
+
+
+class SinkFiles:
+    """The sink files open in this worker: ``path -> [fd, size in bytes, writers]``."""
+
+    def __init__(self) -> None:
+        self.open: dict[str, list[int]] = {}
+
+    def acquire(self, path: str) -> tuple[int, int]:
+        entry = self.open.get(path)
+        if entry is None:
+            fd = os.open(path, os.O_WRONLY)  # the client made it at its full size: never create
+            entry = self.open[path] = [fd, os.fstat(fd).st_size, 0]
+        entry[2] += 1
+        return entry[0], entry[1]
+
+    def close_all(self) -> None:
+        for fd, _, _ in self.open.values():
+            os.close(fd)
+        self.open.clear()
+
+    def release(self, path: str) -> None:
+        entry = self.open.get(path)
+        if entry is None:
+            return
+        entry[2] -= 1
+        if entry[2] <= 0:
+            del self.open[path]
+            os.close(entry[0])
+
+
+class SinkWriter:
+    """One request's rows into its sink, and which positions of each point it wrote."""
+
+    def __init__(self, sink: WireSink, files: SinkFiles) -> None:
+        self.sink, self.files = sink, files
+        self.fd, self.size = files.acquire(sink.path)
+        self.open = True
+        self.seen: dict[Address, np.ndarray] = {}  # which positions of each point are written
+        self.points: dict[Address, tuple[int, int, np.ndarray]] = {}  # (offset, row bytes, seen)
+
+    def write(self, address: Address, rows: torch.Tensor, positions: np.ndarray) -> None:
+        """``rows`` (``[k, width]``, on the CPU) at ``positions`` (``[k]``) of ``address``."""
+        if not self.open:
+            raise RuntimeError(f"rows of {address} arrived after the request's sink was closed")
+        k = rows.shape[0]
+        data = rows.reshape(k, -1)
+        if data.dtype != torch.float32:
+            data = data.to(torch.float32)
+        data = data.numpy()
+        at, row_bytes, seen = self._point(address, data.shape[1] * 4)
+        first, last = int(positions[0]), int(positions[-1])
+        if last - first + 1 == k and 0 <= first and last < seen.shape[0]:
+            # one forward's rows of a request: consecutive positions, bar drafts
+            _pwrite(self.fd, data, at + first * row_bytes)
+            seen[first:last + 1] = True
+            return
+        if int(positions.min()) < 0 or int(positions.max()) >= seen.shape[0]:
+            raise ValueError(f"{address}: positions {positions.tolist()} outside the sink's {seen.shape[0]} rows")
+        for row, p in zip(data, positions.tolist()):
+            _pwrite(self.fd, row, at + p * row_bytes)
+        seen[positions] = True
+
+    def _point(self, address: Address, row_bytes: int) -> tuple[int, int, np.ndarray]:
+        """Where ``address``'s rows start in the file, their size, and which are written (its
+        first rows: checked to fit the file)."""
+        known = self.points.get(address)
+        if known is None or known[1] != row_bytes:
+            at, n = self.sink.offsets[str(address)], self.sink.positions
+            if at + n * row_bytes > self.size:
+                raise ValueError(f"{address}: {n} rows of {row_bytes} bytes at byte {at} end past the end of "
+                                 f"{self.sink.path} ({self.size} bytes)")
+            seen = self.seen.get(address)
+            known = self.points[address] = (at, row_bytes, seen if seen is not None else np.zeros(n, dtype=bool))
+            self.seen[address] = known[2]
+        return known
+
+    def complete(self, address: Address, rows: int) -> bool:
+        """Whether positions ``0 .. rows - 1`` of ``address`` were all written."""
+        if rows <= 0:
+            return True
+        seen = self.seen.get(address)
+        return seen is not None and rows <= seen.shape[0] and bool(seen[:rows].all())
+
+    def close(self) -> None:
+        """No more rows come (the request ended): let the file go; what was written is kept."""
+        if self.open:
+            self.open = False
+            self.files.release(self.sink.path)
+
+
+def _pwrite(fd: int, data: np.ndarray, at: int) -> None:
+    view = memoryview(np.ascontiguousarray(data)).cast("B")  # (rows of a contiguous buffer: no copy)
+    while view:
+        n = os.pwrite(fd, view, at)
+        view, at = view[n:], at + n

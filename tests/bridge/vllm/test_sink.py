@@ -1,0 +1,81 @@
+"""The worker's harvest sink (bridge/vllm/sink.py) without an engine: rows land at their
+positions' bytes in the client's file, whether a forward's rows are consecutive or scattered;
+which positions were written is known exactly; rows that would fall outside the request's
+place are refused, never written; a file is opened once for all the requests that write into
+it and closed when the last one ends."""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+import numpy as np
+import pytest
+import torch
+
+from bridge.vllm.sink import SinkFiles, SinkWriter
+from bridge.vllm.wire import WireSink
+from interp_engine import Address
+
+A, B = Address("resid_post", 0), Address("mlp_out", 1)
+W, N = 4, 6  # floats per row, positions per request
+
+
+def _file(tmp_path, windows=2):
+    path = tmp_path / "rows.raw"
+    with open(path, "wb") as f:
+        f.truncate(windows * 2 * N * W * 4)  # two points, each [windows, N, W] float32
+    return path
+
+
+def _sink(path, window, windows=2):
+    block = N * W * 4
+    return WireSink(str(path), MappingProxyType({str(A): window * block, str(B): windows * block + window * block}), N)
+
+
+def _read(path, windows=2):
+    flat = np.fromfile(path, dtype=np.float32)
+    return flat[: windows * N * W].reshape(windows, N, W), flat[windows * N * W:].reshape(windows, N, W)
+
+
+def test_rows_land_at_their_positions_and_what_was_written_is_known(tmp_path):
+    path, files = _file(tmp_path), SinkFiles()
+    first, second = SinkWriter(_sink(path, 0), files), SinkWriter(_sink(path, 1), files)
+    assert len(files.open) == 1  # one file, opened once for both requests
+    rows = torch.arange(N * W, dtype=torch.float32).reshape(N, W)
+    first.write(A, rows[:4], np.arange(4))  # a prefill's consecutive rows
+    first.write(A, rows[4:5], np.array([4]))  # then decode steps
+    first.write(A, rows[5:6], np.array([5]))
+    second.write(B, -rows[[5, 1, 3]], np.array([5, 1, 3]))  # scattered (drafts): one by one
+    a, b = _read(path)
+    assert np.array_equal(a[0], rows.numpy()) and not a[1].any()
+    assert np.array_equal(b[1][[1, 3, 5]], -rows.numpy()[[1, 3, 5]]) and not b[1][[0, 2, 4]].any()
+    assert not b[0].any()
+    assert first.complete(A, N) and not first.complete(B, 1) and first.complete(B, 0)
+    assert not second.complete(B, 2) and not second.complete(B, N + 1)
+    second.write(B, rows[[0, 2, 4]].to(torch.float64), np.array([0, 2, 4]))  # other dtypes leave as float32
+    assert second.complete(B, N)
+    first.close()
+    first.close()  # twice: released once
+    assert len(files.open) == 1
+    second.close()
+    assert not files.open
+
+
+def test_rows_outside_the_requests_place_are_refused_and_never_written(tmp_path):
+    path, files = _file(tmp_path), SinkFiles()
+    writer = SinkWriter(_sink(path, 0), files)
+    with pytest.raises(ValueError, match="outside the sink's 6 rows"):
+        writer.write(A, torch.ones(2, W), np.array([5, 6]))
+    with pytest.raises(ValueError, match="outside the sink's 6 rows"):
+        writer.write(A, torch.ones(2, W), np.array([3, 7]))  # scattered
+    assert not np.fromfile(path, dtype=np.float32).any()
+    small = tmp_path / "small.raw"
+    small.write_bytes(bytes(N * W * 4))  # room for one point's rows only
+    short = SinkWriter(_sink(small, 0), files)
+    with pytest.raises(ValueError, match="end past the end of"):
+        short.write(B, torch.ones(1, W), np.array([0]))
+    writer.close()
+    with pytest.raises(RuntimeError, match="after the request's sink was closed"):
+        writer.write(A, torch.ones(1, W), np.array([0]))
+    with pytest.raises(FileNotFoundError):  # another machine's file: the runtime buffers instead
+        SinkWriter(_sink(tmp_path / "absent.raw", 0), files)
