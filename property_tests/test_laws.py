@@ -205,15 +205,20 @@ def _observed(model, ids, n=4):
 def test_steering_at_scale_zero_is_the_identity_and_nonzero_steering_is_not(model_pool, arch, backend):
     """Scale 0 changes nothing, bit for bit; the same op at scale 4 changes what generation
     shows (so the first half cannot pass by steering doing nothing at all). Four greedy steps
-    feed positions 0..len(ids)+2, so every positions choice below selects a row."""
+    feed positions 0..len(ids)+2, and every positions choice below selects a row whose change
+    can show: the last prompt row or a generated one (explicit positions: the first row and the
+    row that makes the third step's logprobs; rows 0 and 2 alone, at the last layer, reach no
+    logit generation shows)."""
     model = _model(model_pool, arch, backend)
     if not any(p.writable for p in model.points()):
         pytest.skip("no steering sites")
 
     @bounded(backend)
     @given(ids=token_ids(model, max_size=12), site=addresses(model, backend, writable=True), seed=st.integers(0, 999),
-           positions=st.sampled_from(["all", "prompt", "generated", (0, 2)]))
+           positions=st.sampled_from(["all", "prompt", "generated", "explicit"]))
     def law(ids, site, seed, positions):
+        if positions == "explicit":
+            positions = (0, len(ids) + 1)
         v = torch.randn(model.d_model, generator=torch.Generator().manual_seed(seed))
         zero = SteerSpec.add(site, v, scale=0.0, positions=positions)
         before = _observed(model, ids)
