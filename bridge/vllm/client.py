@@ -119,6 +119,7 @@ class _Request:
     prompt_len: int
     capture: _Capture | None
     sink: Callable[[Any], None]
+    max_tokens: int = 1 << 30
     finished: bool = False
     generated: int = 0
     released: bool = False
@@ -173,6 +174,8 @@ class VllmBackend:
         self._lock = threading.RLock()  # one caller inside the engine at a time
         self._wake = threading.Condition()
         self._requests: dict[str, _Request] = {}
+        # finished requests whose collect waits one step for others about to end (_pump)
+        self._held: list[tuple[_Request, Any]] = []
         # requests waiting for the driver to hand them to a multiprocess engine (under _wake):
         # callers never wait for a running step to add theirs, so the next step schedules
         # every request that arrived meanwhile together
@@ -440,7 +443,7 @@ class VllmBackend:
             issue(rid)  # checked by capture_plan / steer_plan: the validator need not parse it again
         params = self._sampling_params(config, extra, streaming)
         external = f"interp-{n}-{_PROCESS[:8]}"
-        request = _Request(external, rid, plan, prompt_len, capture, sink, slot=slot)
+        request = _Request(external, rid, plan, prompt_len, capture, sink, max_tokens=config.max_tokens, slot=slot)
         if capture is not None:
             capture.rid = rid
         with self._wake:
@@ -513,13 +516,17 @@ class VllmBackend:
                 return False
             self._admit(llm)
             if not llm.llm_engine.has_unfinished_requests():
+                if self._held:  # those it waited for were aborted: collect now
+                    held, self._held = self._held, []
+                    self._settle_and_deliver(llm, held)
+                    return True
                 return False
             try:
                 outputs = llm.llm_engine.step()
             except BaseException as exc:  # a failed step fails every waiting request, loudly
                 self._fail_all(exc)
                 return True
-            delivered, ended = [], []
+            delivered, ended = [], []  # ended: (request, its last output), to collect first
             for out in outputs:
                 request = self._requests.get(out.request_id)
                 if request is None:
@@ -535,13 +542,31 @@ class VllmBackend:
                             request.released, request.settled = True, []
                             self._give_slot(request)
                         else:
-                            ended.append(request)
+                            ended.append((request, out))
+                            continue
                 delivered.append((request, out))
-            if ended:
-                self._collect(llm, ended)
+            held, self._held = self._held, []
+            if ended and not held and self._collects_next_step():
+                # others end at the next step (a gathered batch the engine split in two, requests
+                # a step apart): their collect rpc takes these too, one step later, instead of two
+                self._held, ended = ended, []
+            self._settle_and_deliver(llm, held + ended)
             for request, out in delivered:
                 request.sink(out)
         return True
+
+    def _collects_next_step(self) -> bool:
+        """Whether a request in the engine whose answer is collected ends at the next step."""
+        return any(not r.plan.empty and not r.deferred and r.slot is None and r.generated >= r.max_tokens - 1
+                   for r in self._requests.values())
+
+    def _settle_and_deliver(self, llm, ended: list[tuple[_Request, Any]]) -> None:
+        """Collect the workers' answers for these finished requests (one rpc), then hand each
+        its last output. Holding _lock."""
+        if ended:
+            self._collect(llm, [request for request, _ in ended])
+        for request, out in ended:
+            request.sink(out)
 
     def _collect(self, llm, ended: list[_Request]) -> None:
         """The workers' captures (or status) of every request that finished in this step, in
@@ -569,7 +594,7 @@ class VllmBackend:
         """The driver thread of a multiprocess engine: pump while requests are in flight."""
         while True:
             with self._wake:
-                while not self._stop and not self._requests and not self._incoming:
+                while not self._stop and not self._requests and not self._incoming and not self._held:
                     self._wake.wait()
                 if self._stop:
                     return
@@ -607,8 +632,9 @@ class VllmBackend:
         with self._wake:
             waiting = [item[0] for item in self._incoming + self._queued]
             self._incoming, self._queued = [], []
-        waiting += list(self._requests.values())
+        waiting += list(self._requests.values()) + [request for request, _ in self._held]
         self._requests.clear()
+        self._held = []
         for request in waiting:
             request.finished = True
             request.sink(exc)
@@ -625,6 +651,7 @@ class VllmBackend:
                 self._queued = [item for item in self._queued if item[0] is not request]
                 request.finished = True
         with self._lock:
+            self._held = [item for item in self._held if item[0] is not request]  # nobody waits for it
             if not request.finished and self._llm is not None:
                 request.finished = True
                 self._requests.pop(request.external_id, None)
