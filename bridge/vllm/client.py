@@ -39,6 +39,7 @@ from interp_engine._tokens import TokenBatch
 from specs import ArchSpec
 
 from ..outputs import full_output
+from .sink import rows_are_values
 from .wire import merge_ranks, plan_to_wire, tensor_from_wire, tensor_to_wire
 
 __all__ = ["VllmBackend", "check_engine_kwargs"]
@@ -772,7 +773,7 @@ class VllmBackend:
     def sinks(self, plan: Plan) -> bool:
         """The workers write a harvest plan's rows into its file themselves where each point's
         rows are already its row-major values (not a pattern rebuilt from q | k)."""
-        return all(self.spec.vllm[a.name].post in (None, "heads", "kv_heads", "flat") for a in plan.reads)
+        return all(rows_are_values(self.spec.vllm[a.name]) for a in plan.reads)
 
     def harvest_into(self, windows: list[list[int]], plan: Plan, max_tokens: int, in_flight: int,
                      path: str, offsets: Callable[[int], dict[str, int]], positions: int

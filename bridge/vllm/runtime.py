@@ -46,7 +46,7 @@ from specs import ArchSpec, VllmTap
 from .board import FAILED, OK, BoardFiles
 from .buffers import Arena, Buffer
 from .routing import experts_path
-from .sink import SinkFiles, SinkWriter
+from .sink import SinkFiles, SinkWriter, rows_are_values
 from .wire import WirePlan, plan_from_args, process_registry, tensor_to_wire
 
 __all__ = ["Runtime"]
@@ -542,7 +542,7 @@ class Runtime:
         """Whether this worker writes a harvest request's rows of ``address`` into its sink
         itself: whole rows (not a tensor-parallel rank's slice) that leave as they are read."""
         return (self.store_captures and address.name not in self.rank_shards
-                and self.spec.vllm[address.name].source != "attn_qk")
+                and rows_are_values(self.spec.vllm[address.name]))
 
     def _sink_rows(self, request: _Request, address: Address, rows: torch.Tensor, s: int, e: int) -> None:
         try:

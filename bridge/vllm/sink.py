@@ -24,7 +24,15 @@ from interp_engine._address import Address
 
 from .wire import WireSink
 
-__all__ = ["SinkFiles", "SinkWriter"]
+__all__ = ["SinkFiles", "SinkWriter", "rows_are_values"]
+
+
+def rows_are_values(tap) -> bool:
+    """Whether the rows a worker reads at ``tap`` (a spec's ``VllmTap``) are the point's values,
+    row-major, so they can go into a sink as they are read: every tap but ``attn_qk``, whose
+    pattern is rebuilt from q and k when the request ends. The client (which plans) and the
+    worker (which writes) both ask this."""
+    return tap.source != "attn_qk"
 
 
 class SinkFiles:
