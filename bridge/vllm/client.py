@@ -432,7 +432,7 @@ class VllmBackend:
         n = next(_ids)
         rid = f"{_PROCESS}{n:x}"  # unique across clients of one worker (os.urandom per request is slow)
         slot = None
-        if plan.writes and not plan.reads and self._board is not None:
+        if self._board is not None and ((plan.writes and not plan.reads) or (rows_to is not None and self._boards(plan))):
             with self._wake:
                 slot = self._board.take()
         extra = None if plan.empty else {"interp_engine": plan_to_wire(
@@ -775,6 +775,11 @@ class VllmBackend:
         rows are already its row-major values (not a pattern rebuilt from q | k)."""
         return all(rows_are_values(self.spec.vllm[a.name]) for a in plan.reads)
 
+    def _boards(self, plan: Plan) -> bool:
+        """Whether a harvest plan's workers can say on the board that it is served: each writes
+        every row of every read into the sink itself (no tensor-parallel slices to send back)."""
+        return self.world == 1 or not any(self.spec.vllm[a.name].sharded for a in plan.reads)
+
     def harvest_into(self, windows: list[list[int]], plan: Plan, max_tokens: int, in_flight: int,
                      path: str, offsets: Callable[[int], dict[str, int]], positions: int
                      ) -> Iterator[tuple[int, list[int], dict[Address, torch.Tensor]]]:
@@ -786,8 +791,9 @@ class VllmBackend:
         first; ``rows`` holds only what the workers could not write whole (the slices of a point
         sharded over tensor-parallel ranks, joined here).
 
-        A finished window's place goes to the next one at once; its workers' answer is fetched
-        later, in one rpc for up to ``_SETTLE_MAX`` finished windows (and for the last ones when
+        A window whose workers wrote every row themselves says so on the status board (board.py)
+        and needs no answer at all. Any other finished window's place goes to the next one at once;
+        its workers' answer is fetched later, in one rpc for up to ``_SETTLE_MAX`` finished windows (and for the last ones when
         nothing else is in flight), so the engine never waits between steps on an rpc per step."""
         import collections
 
@@ -826,6 +832,13 @@ class VllmBackend:
                 tokens.extend(out.outputs[0].token_ids)
                 if out.finished:
                     del live[i]
+                    if request.slot is not None and self._board.ok(request.slot):
+                        # every worker wrote every row into the sink (board.py): nothing to
+                        # collect, and the workers free it themselves
+                        request.released, request.settled = True, []
+                        self._give_slot(request)
+                        yield i, tokens, {}
+                        continue
                     ended.append((i, request, tokens))
         finally:
             for request, _ in live.values():

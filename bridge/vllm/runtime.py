@@ -75,9 +75,12 @@ class _Request:
     # a harvest request's rows, written into its sink as they are read (sink.py); None: not yet
     # opened, False: not writable here (another machine's file: its rows are buffered instead)
     sink: SinkWriter | None | bool = None
-    # a write-only plan's status byte on the client's board (board.py): called with OK once
-    # admitted, FAILED when serving it fails; None: the client collects its status by rpc
+    # its status byte on the client's board (board.py): called with OK once served (a write-only
+    # plan: admitted; a harvest plan: every row in its sink), FAILED when serving it fails;
+    # None: the client collects its status by rpc
     report: Callable[[int], object] | None = None
+    served: bool = False  # OK is on the board: nobody collects it, the runtime frees it itself
+    sunk: set = field(default_factory=set)  # a harvest plan on the board: reads whose rows are all in
 
     def fail(self, error: str) -> None:
         """Serving this request failed (the first error is the one kept): its client's to see."""
@@ -291,8 +294,12 @@ class Runtime:
             request.error = f"cannot serve this plan here: {exc!r}"
         if request.error is None and request.plan.board is not None:
             path, at = request.plan.board
-            if self.boards.mark(path, at + self.rank, OK):
-                request.report = functools.partial(self.boards.mark, path, at + self.rank)
+            mark = functools.partial(self.boards.mark, path, at + self.rank)
+            if request.plan.sink is None:  # write-only: served once admitted
+                if mark(OK):
+                    request.report, request.served = mark, True
+            elif all(self._sinks(a) for a in request.plan.reads) and mark(0):
+                request.report = mark  # a harvest plan: OK once its last rows are in the sink
         self.by_rid[plan.rid] = request
         return request
 
@@ -554,6 +561,13 @@ class Runtime:
                     self._read(request, address, rows, s, e)
                     return
             request.sink.write(address, rows, self.pos_np[s:e])
+            n = request.plan.sink.positions
+            if request.report is not None and int(self.pos_np[e - 1]) == n - 1 and request.sink.complete(address, n):
+                request.sunk.add(address)
+                if len(request.sunk) == len(request.plan.reads) and request.error is None:
+                    request.served = True
+                    request.sink.close()  # its file is the client's again: no more rows come
+                    request.report(OK)  # inside the forward: before this step's outputs leave
         except Exception as exc:  # this request's error; the others in the forward go on
             self._failed(request, exc)
 
@@ -674,8 +688,8 @@ class Runtime:
             self.static.forget(request)
         if request.sink:
             request.sink.close()  # its rows are all in (collect checks they are)
-        if request.plan.capture_path or (request.report is not None and request.error is None):
-            # a capture file written, or a write-only plan its client settles from the board:
+        if request.plan.capture_path or (request.served and request.error is None):
+            # a capture file written, or a plan its client settles from the board:
             # nobody collects it
             if request.plan.capture_path:
                 self._write_file(request)

@@ -141,7 +141,7 @@ class WirePlan:
     writes: tuple[WireOp, ...]
     capture_path: str | None = None  # write captures here when the request ends (else: rpc)
     sink: "WireSink | None" = None  # write the rows into a file the client maps (harvest)
-    board: tuple[str, int] | None = None  # (file, byte of rank 0): where a write-only plan reports (board.py)
+    board: tuple[str, int] | None = None  # (file, byte of rank 0): where it reports (board.py)
 
     @property
     def empty(self) -> bool:
@@ -152,7 +152,8 @@ def plan_to_wire(plan: Plan, rid: str, capture_path: str | None = None, model: s
                  sink: Mapping | None = None, board: Mapping | None = None) -> dict:
     """A validated Plan as plain data for ``SamplingParams(extra_args={KEY: ...})``. ``sink``:
     ``{"path", "offsets": {address: byte offset}, "positions"}`` (see WireSink); ``board``:
-    ``{"path", "at"}``, the status bytes of a plan that only writes (board.py)."""
+    ``{"path", "at"}``, the status bytes of a plan that only writes or writes its rows into a
+    sink (board.py)."""
     writes = []
     for op in plan.writes:
         if op.batched:
@@ -416,12 +417,13 @@ def plan_from_args(extra_args: Mapping | None, graph=None, registry: VectorRegis
         raise _fail("capture_path must be a string")
     reads = tuple(dict.fromkeys(addresses))
     return WirePlan(plan_rid, reads, ops, capture_path, None if sink is None else _sink(sink, reads),
-                    None if board is None else _board(board, reads))
+                    None if board is None else _board(board, reads, sink))
 
 
-def _board(value, reads: tuple[Address, ...]) -> tuple[str, int]:
-    if reads:
-        raise _fail("a plan that reads brings its rows back by rpc: 'board' is only for plans that only write")
+def _board(value, reads: tuple[Address, ...], sink) -> tuple[str, int]:
+    if reads and sink is None:
+        raise _fail("a plan that reads brings its rows back by rpc: 'board' is only for plans that only write "
+                    "or write their rows into a sink")
     if not isinstance(value, Mapping) or not isinstance(value.get("path"), str) \
             or not os.path.isabs(value["path"]) or isinstance(value.get("at"), bool) \
             or not isinstance(value.get("at"), int) or value["at"] < 0:

@@ -79,3 +79,51 @@ def test_rows_outside_the_requests_place_are_refused_and_never_written(tmp_path)
         writer.write(A, torch.ones(1, W), np.array([0]))
     with pytest.raises(FileNotFoundError):  # another machine's file: the runtime buffers instead
         SinkWriter(_sink(tmp_path / "absent.raw", 0), files)
+
+
+def test_the_runtime_says_served_on_the_board_only_once_every_row_of_every_read_is_in(tmp_path):
+    """The worker's side of a harvest request on the status board (Runtime._sink_rows): OK goes
+    on the board once, when the last read's last missing row is in; a read with a hole (a
+    position the forwards skipped, as under prefix caching) never gets it, and neither does a
+    request whose serving failed. The file is let go once it is served."""
+    from bridge.vllm.board import FAILED, OK
+    from bridge.vllm.runtime import Runtime, _Request
+    from bridge.vllm.wire import WirePlan
+
+    path = _file(tmp_path)
+
+    def request(window):
+        plan = WirePlan(f"r{window}", (A, B), (), sink=_sink(path, window), board=(str(tmp_path / "board"), 0))
+        r = _Request(plan, N)
+        marks = []
+        r.report = marks.append
+        return r, marks
+
+    runtime = Runtime.__new__(Runtime)  # only what _sink_rows uses: no engine
+    runtime.sink_files = SinkFiles()
+
+    def forward(r, address, first, last):
+        runtime.pos_np = np.arange(first, last + 1)
+        runtime._sink_rows(r, address, torch.ones(last - first + 1, W), 0, last - first + 1)
+
+    whole, marks = request(0)
+    forward(whole, A, 0, N - 2)
+    forward(whole, B, 0, N - 2)
+    forward(whole, A, N - 1, N - 1)
+    assert marks == [] and not whole.served  # B's last row is still to come
+    forward(whole, B, N - 1, N - 1)
+    assert marks == [OK] and whole.served and not whole.sink.open
+
+    holed, marks = request(1)
+    forward(holed, A, 0, N - 1)
+    forward(holed, B, 2, N - 1)  # B's rows 0 and 1 never came
+    assert marks == [] and not holed.served
+
+    failed, marks = request(0)
+    failed.fail("planted: serving it failed")
+    forward(failed, A, 0, N - 1)
+    forward(failed, B, 0, N - 1)
+    assert marks == [FAILED] and not failed.served
+    for r in (holed, failed):
+        r.drop()
+    assert runtime.sink_files.open == {}

@@ -134,7 +134,7 @@ def test_a_harvest_sink_crosses_as_plain_data_and_a_bad_one_is_refused(graph, tm
             wire.plan_from_args({wire.KEY: bad}, graph=graph)
 
 
-def test_a_status_board_crosses_only_with_a_plan_that_only_writes(graph, tmp_path):
+def test_a_status_board_crosses_only_with_a_plan_that_only_writes_or_sinks_its_rows(graph, tmp_path):
     wire = _wire()
     steer_only = steer_plan(graph, SteerSpec.add("resid_post.1", torch.randn(D)))
     board = {"path": str(tmp_path / "board"), "at": 12}
@@ -149,6 +149,9 @@ def test_a_status_board_crosses_only_with_a_plan_that_only_writes(graph, tmp_pat
     reading = wire.plan_to_wire(capture_plan(graph, ["resid_post.1"]) | steer_only, "r", board=board)
     with pytest.raises(wire.PlanError, match=r"only for plans that only write"):
         wire.plan_from_args({wire.KEY: reading}, graph=graph)
+    sink = {"path": str(tmp_path / "rows"), "offsets": {"resid_post.1": 0}, "positions": 4}
+    harvesting = wire.plan_to_wire(capture_plan(graph, ["resid_post.1"]), "r", sink=sink, board=board)
+    assert wire.plan_from_args({wire.KEY: harvesting}, graph=graph).board == (board["path"], 12)
 
 
 def test_a_write_many_requests_send_is_decoded_once_and_only_when_it_is_the_same(graph):
