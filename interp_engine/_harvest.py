@@ -203,9 +203,10 @@ def _request_rows(model: Model, windows: list[list[int]], reads, gen: int, in_fl
 def _sunk_rows(model: Model, plan, windows: list[list[int]], gen: int, in_flight: int, raw: Path,
                columns: dict[str, int], context_size: int):
     """vLLM: the workers write each request's rows straight into ``raw`` (a float32 file laid out
-    as each point's ``[windows, context_size, d_in]`` block in turn, mapped here), so only small
-    answers come back per request. Yields the shard's rows in window order as views of the file,
-    at least ``_WRITE_ROWS`` at a time, as soon as every window before them has finished."""
+    as each point's ``[windows, context_size, d_in]`` block in turn), so only small answers come
+    back per request. Yields the shard's rows in window order, at least ``_WRITE_ROWS`` at a time,
+    as soon as every window before them has finished: each point's rows of those windows are one
+    run of the file, read in one call (not through a mapping: a page fault per 4 KiB)."""
     n = len(windows)
     sizes = {a: context_size * columns[str(a)] for a in plan.reads}  # floats per row
     base, at = {}, 0
@@ -213,29 +214,48 @@ def _sunk_rows(model: Model, plan, windows: list[list[int]], gen: int, in_flight
         base[a], at = at, at + n * sizes[a]
     with open(raw, "wb") as f:
         f.truncate(at * 4)
-    rows = np.memmap(raw, dtype=np.float32, mode="r+", shape=(at,))
-    blocks = {a: rows[base[a]:base[a] + n * sizes[a]].reshape(n, context_size, -1) for a in plan.reads}
     offsets = lambda i: {str(a): 4 * (base[a] + i * sizes[a]) for a in plan.reads}  # noqa: E731
     fed: list[list[int] | None] = [None] * n
     ready = given = 0  # windows [0, ready) are finished, [0, given) handed on
+    fd = os.open(raw, os.O_RDWR)
 
     def hand_on(stop: int):
         ids = torch.tensor(fed[given:stop], dtype=torch.long)
-        return ids, {a: blocks[a][given:stop] for a in plan.reads}
+        values = {}
+        for a in plan.reads:
+            values[a] = np.empty((stop - given, context_size, columns[str(a)]), dtype=np.float32)
+            _file_io(os.preadv, fd, values[a], 4 * (base[a] + given * sizes[a]))
+        return ids, values
 
-    for i, generated, sent in model.backend.harvest_into(windows, plan, gen, in_flight, str(raw.resolve()),
-                                                         offsets, context_size):
-        fed[i] = (windows[i] + list(generated))[: len(windows[i]) + gen - 1]
-        for a, t in sent.items():  # what the workers could not write whole (tensor-parallel slices)
-            blocks[a][i] = t.to(torch.float32).reshape(context_size, -1).numpy()
-        while ready < n and fed[ready] is not None:
-            ready += 1
-        if ready - given >= _WRITE_ROWS:  # requests finish about in order: rows go on as they come
-            yield hand_on(ready)
-            given = ready
-    if given < n:
-        yield hand_on(n)
-    del rows, blocks
+    try:
+        for i, generated, sent in model.backend.harvest_into(windows, plan, gen, in_flight, str(raw.resolve()),
+                                                             offsets, context_size):
+            fed[i] = (windows[i] + list(generated))[: len(windows[i]) + gen - 1]
+            for a, t in sent.items():  # what the workers could not write whole (tensor-parallel slices)
+                if t.numel() != sizes[a]:
+                    raise RuntimeError(f"{a}: the workers sent {tuple(t.shape)} for window {i}, not "
+                                       f"{context_size} rows of {columns[str(a)]}")
+                _file_io(os.pwritev, fd, t.to(torch.float32).contiguous().numpy(), 4 * (base[a] + i * sizes[a]))
+            while ready < n and fed[ready] is not None:
+                ready += 1
+            if ready - given >= _WRITE_ROWS:  # requests finish about in order: rows go on as they come
+                yield hand_on(ready)
+                given = ready
+        if given < n:
+            yield hand_on(n)
+    finally:
+        os.close(fd)
+
+
+def _file_io(call, fd: int, array: np.ndarray, at: int) -> None:
+    """All of ``array``'s bytes read from (``os.preadv``) or written to (``os.pwritev``) ``fd``
+    at byte ``at``."""
+    view = memoryview(array).cast("B")
+    while view:
+        n = call(fd, [view], at)
+        if n <= 0:
+            raise OSError(f"the harvest rows file ended at byte {at}: the rows the workers wrote are not all there")
+        view, at = view[n:], at + n
 
 
 def _progress(enabled: bool | None, resumed: int):
@@ -352,8 +372,13 @@ def harvest(model: Model, prompts: Sequence[str] | str | os.PathLike,
                     nonlocal written
                     if not pending:
                         return
-                    batch = {str(a): np.concatenate([_flat(v[a]) for _, v in pending]) for a in reads}
-                    batch["token_ids"] = np.concatenate([i.to(torch.int32).numpy() for i, _ in pending])
+                    if len(pending) == 1:  # (a vLLM sink's rows come as one piece already: no copy)
+                        ids, values = pending[0]
+                        batch = {str(a): _flat(values[a]) for a in reads}
+                        batch["token_ids"] = ids.to(torch.int32).numpy()
+                    else:
+                        batch = {str(a): np.concatenate([_flat(v[a]) for _, v in pending]) for a in reads}
+                        batch["token_ids"] = np.concatenate([i.to(torch.int32).numpy() for i, _ in pending])
                     pending.clear()
                     writer.write(batch)
                     n = len(batch["token_ids"])

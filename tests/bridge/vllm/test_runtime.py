@@ -186,7 +186,7 @@ def test_an_error_inside_the_runtime_fails_only_its_request(monkeypatch, model_p
 
 
 @pytest.mark.parametrize("arch", ["qwen3"])
-def test_tensor_parallel_two_ranks_equal_one_and_eager(model_pool, arch):
+def test_tensor_parallel_two_ranks_equal_one_and_eager(model_pool, arch, tmp_path):
     """Two CPU ranks (VLLM_CPU_OMP_THREADS_BIND is set to one core each): points read after the
     all-reduce, z gathered from the ranks' head slices, steering applied on every rank."""
     eager = model_pool.get(arch)
@@ -218,6 +218,18 @@ def test_tensor_parallel_two_ranks_equal_one_and_eager(model_pool, arch):
     last = [f"resid_post.{eager.n_layers - 1}"]
     assert_close_scaled(two.decode_residuals(run_with_cache(two, tokens, last)),
                         eager.decode_residuals(run_with_cache(eager, tokens, last)), msg="lens tp2")
+    # harvest: both ranks write resid_post into the shard's file; z's head slices come back by
+    # rpc and are joined and written by the client (so this plan settles by rpc, not the board)
+    from interp_engine import harvest
+
+    texts = [f"Item {i}: the capital of France is Paris, and {i} plus one is {i + 1}." for i in range(8)]
+    kwargs = dict(context_size=12, max_tokens=3, max_in_flight=4)
+    harvest(eager, texts, ["resid_post.1", "z.2"], tmp_path / "eager", **kwargs)
+    harvest(two, texts, ["resid_post.1", "z.2"], tmp_path / "tp2", **kwargs)
+    a, b = harvest.load(tmp_path / "eager"), harvest.load(tmp_path / "tp2")
+    assert torch.equal(a.token_ids, b.token_ids)
+    for p in ("resid_post.1", "z.2"):
+        assert_close_scaled(b[p], a[p], msg=f"tp2 harvest {p}")
     _holds_nothing(two)
 
 
