@@ -128,23 +128,29 @@ class _Windows:
     """Consecutive ``length``-token windows of the concatenated token stream; ``left_out``
     counts the tokens after the last full window once the stream is exhausted."""
 
-    def __init__(self, tokenize: Callable[[str], list[int]], prompts: _Prompts, length: int) -> None:
+    def __init__(self, tokenize: Callable[[list[str]], list[list[int]]], prompts: _Prompts, length: int) -> None:
         self.tokenize, self.prompts, self.length = tokenize, prompts, length
         self.left_out = 0
 
     def __iter__(self) -> Iterator[list[int]]:
         buffer: list[int] = []
-        for text in self.prompts:
-            buffer.extend(self.tokenize(text))
-            while len(buffer) >= self.length:
-                yield buffer[:self.length]
-                del buffer[:self.length]
+        texts = iter(self.prompts)
+        while batch := list(itertools.islice(texts, _TOKENIZE_BATCH)):
+            for ids in self.tokenize(batch):
+                buffer.extend(ids)
+                while len(buffer) >= self.length:
+                    yield buffer[:self.length]
+                    del buffer[:self.length]
         self.left_out = len(buffer)
 
 
-def _tokenizer(hf) -> Callable[[str], list[int]]:
-    """How harvest tokenizes one prompt: as the model's tokenizer does one text."""
-    return lambda text: hf(text, add_special_tokens=True)["input_ids"]
+_TOKENIZE_BATCH = 64  # prompts tokenized in one call (a call per prompt costs about a quarter more)
+
+
+def _tokenizer(hf) -> Callable[[list[str]], list[list[int]]]:
+    """How harvest tokenizes prompts: each as the model's tokenizer does one text (no padding,
+    no truncation), several in one call."""
+    return lambda texts: hf(texts, add_special_tokens=True)["input_ids"]
 
 
 # ---- identity of a run (what a resume must match) ------------------------------------------
