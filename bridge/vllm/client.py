@@ -112,6 +112,40 @@ class _Refused:
     exc: Exception
 
 
+class _LoopQueue:
+    """The sink of a request whose caller waits on an event loop: puts into its asyncio queue
+    from the driver thread. The pump hands a step's outputs for one loop over in one wake-up of
+    that loop (``_deliver``), not one per request."""
+
+    __slots__ = ("loop", "queue")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, queue: asyncio.Queue) -> None:
+        self.loop, self.queue = loop, queue
+
+    def __call__(self, out: Any) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, out)
+
+
+def _put_all(items: list) -> None:
+    for queue, out in items:
+        queue.put_nowait(out)
+
+
+def _deliver(pairs: list) -> None:
+    """Each ``(request, output)``'s output to the request's sink, in order: those waited for on
+    one event loop in one ``call_soon_threadsafe`` (each wakes the loop with a write to its
+    pipe: one per step, not one per request), every other sink called directly."""
+    loops: dict = {}
+    for request, out in pairs:
+        sink = request.sink
+        if type(sink) is _LoopQueue:
+            loops.setdefault(sink.loop, []).append((sink.queue, out))
+        else:
+            sink(out)
+    for loop, items in loops.items():
+        loop.call_soon_threadsafe(_put_all, items)
+
+
 @dataclass(eq=False)
 class _Request:
     external_id: str
@@ -551,9 +585,7 @@ class VllmBackend:
                 # others end at the next step (a gathered batch the engine split in two, requests
                 # a step apart): their collect rpc takes these too, one step later, instead of two
                 self._held, ended = ended, []
-            self._settle_and_deliver(llm, held + ended)
-            for request, out in delivered:
-                request.sink(out)
+            self._settle_and_deliver(llm, held + ended, delivered)
         return True
 
     def _collects_next_step(self) -> bool:
@@ -561,13 +593,12 @@ class VllmBackend:
         return any(not r.plan.empty and not r.deferred and r.slot is None and r.generated >= r.max_tokens - 1
                    for r in self._requests.values())
 
-    def _settle_and_deliver(self, llm, ended: list[tuple[_Request, Any]]) -> None:
+    def _settle_and_deliver(self, llm, ended: list[tuple[_Request, Any]], delivered: list = ()) -> None:
         """Collect the workers' answers for these finished requests (one rpc), then hand each
-        its last output. Holding _lock."""
+        its last output, and the other ``delivered`` outputs theirs. Holding _lock."""
         if ended:
             self._collect(llm, [request for request, _ in ended])
-        for request, out in ended:
-            request.sink(out)
+        _deliver(ended + list(delivered))
 
     def _collect(self, llm, ended: list[_Request]) -> None:
         """The workers' captures (or status) of every request that finished in this step, in
@@ -739,9 +770,7 @@ class VllmBackend:
         """Asynchronous generation on any event loop: concurrent requests share engine steps."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
-        request = self._add(prompt, config, plan, capture,
-                            lambda out: loop.call_soon_threadsafe(outputs.put_nowait, out), embeds,
-                            streaming=streaming)
+        request = self._add(prompt, config, plan, capture, _LoopQueue(loop, outputs), embeds, streaming=streaming)
         self._kick()
         try:
             while True:
