@@ -146,6 +146,28 @@ class _Site:
     post: list = field(default_factory=list)
 
 
+def _next_rows(buffers: list[Buffer], positions: list[int]) -> tuple[list[int], list[Buffer], list[int]]:
+    """Of readers' buffers and the position each reads in this decode step: the arena rows of
+    those whose position is the next they expect and fits their region, those buffers, and the
+    indices of the others (to be read on their own)."""
+    at, taken, rest = [], [], []
+    for i, (buffer, p) in enumerate(zip(buffers, positions)):
+        if p == buffer.covered and p < buffer.size and buffer.start >= 0 and not buffer.gaps:
+            at.append(buffer.start + p)
+            taken.append(buffer)
+        else:
+            rest.append(i)
+    return at, taken, rest
+
+
+def _advance(taken: list[Buffer]) -> None:
+    """Each of these buffers got its next position's row."""
+    for buffer in taken:
+        buffer.covered += 1
+        if buffer.covered > buffer.filled:
+            buffer.filled = buffer.covered
+
+
 class Runtime:
     """Per worker process. ``install`` once after the model is loaded."""
 
@@ -504,23 +526,45 @@ class Runtime:
         readers left out (by index), to be read on their own: those whose row is not the next
         position they expect, or would not fit their region (or have none yet)."""
         arena, which, buffers, at_rows = decode
-        at, taken, rest = [], [], []
-        for i, (buffer, p) in enumerate(zip(buffers, self.pos_np[at_rows].tolist())):
-            if p == buffer.covered and p < buffer.size and buffer.start >= 0 and not buffer.gaps:
-                at.append(buffer.start + p)
-                taken.append(buffer)
-            else:
-                rest.append(i)
+        at, taken, rest = _next_rows(buffers, self.pos_np[at_rows].tolist())
         if rest:
             keep = sorted(set(range(len(buffers))) - set(rest))
             which = (torch.arange(rows.shape[0]) if which is None else which)[keep]
         if at:
             arena.put(torch.tensor(at), rows if which is None else rows.index_select(0, which))
-            for buffer in taken:  # in order: the next position is written
-                buffer.covered += 1
-                if buffer.covered > buffer.filled:
-                    buffer.filled = buffer.covered
+            _advance(taken)
         return rest
+
+    def _read_tap(self, address: Address, rows: torch.Tensor, readers: list) -> None:
+        """A compiled tap's rows of this step to its readers (``(request, s, e, offset)``: rows
+        ``offset .. offset + e - s`` of ``rows`` are the request's rows s:e of the forward). In a
+        decode step, the readers whose one row is the next their arena region expects take it in
+        one copy (as a hooked site's do, _read_decode); the others each on their own."""
+        rest = readers
+        arena = self.arenas.get(address)
+        if len(readers) > 1 and arena is not None and arena.data is not None:
+            try:
+                ones = [r for r in readers if r[2] - r[1] == 1 and (b := r[0].buffers.get(address)) is not None
+                        and b.arena is arena]
+                if len(ones) > 1:
+                    at, taken, left = _next_rows([r[0].buffers[address] for r in ones],
+                                                 self.pos_np[[r[1] for r in ones]].tolist())
+                    if len(at) > 1:
+                        skip = set(left)
+                        used = [r for j, r in enumerate(ones) if j not in skip]
+                        arena.put(torch.tensor(at), rows.index_select(0, torch.tensor([r[3] for r in used])))
+                        _advance(taken)
+                        done = {id(r) for r in used}
+                        rest = [r for r in readers if id(r) not in done]
+            except Exception:  # each on its own below, where a failure is its request's
+                log.exception("interp_engine runtime: copying a decode step's tap rows together failed")
+                rest = readers
+        for request, s, e, offset in rest:
+            try:
+                self._read(request, address, rows[offset:offset + e - s], s, e)
+            except Exception as exc:  # this request's failure; the others read on
+                self._failed(request, exc)
+
     def _buffer(self, request: _Request, address: Address) -> Buffer:
         arena = self.arenas.get(address)
         if arena is None:

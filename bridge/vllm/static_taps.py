@@ -299,20 +299,19 @@ class StaticTaps:
             site.slot_of.index_copy_(0, rows.to(self.device), slots.to(self.device))
             site.used = int(rows.max()) + 1
 
-    def drain(self, put: Callable[[Any, Address, torch.Tensor, int, int], None]) -> None:
-        """After the forward: each reader's rows leave the buffers (``put(request, address,
-        rows, s, e)``, which copies them before it returns), in one copy to the CPU for all taps
-        (one device sync per step); on the CPU as views of the buffers."""
+    def drain(self, put: Callable[[Address, torch.Tensor, list], None]) -> None:
+        """After the forward: each tap's rows leave the buffers for its readers
+        (``put(address, rows, readers)``, each reader ``(request, s, e, offset)`` taking rows
+        ``offset .. offset + e - s``, copied before ``put`` returns), in one copy to the CPU for
+        all taps (one device sync per step); on the CPU as views of the buffers."""
         live = [tap for tap in self.taps.values() if tap.readers]
         if not live:
             return
         if self.device.type == "cpu":
-            # the buffers are already on the CPU, and every ``put`` copies its rows before the next
+            # the buffers are already on the CPU, and ``put`` copies the rows before the next
             # forward overwrites them (into a request's buffer, or its sink file): no copy here
             for tap in live:
-                rows = tap.buf[:tap.k]
-                for request, s, e, offset in tap.readers:
-                    put(request, tap.address, rows[offset:offset + e - s], s, e)
+                put(tap.address, tap.buf[:tap.k], tap.readers)
                 tap.readers = []
             return
         if len(live) == 1:
@@ -323,8 +322,7 @@ class StaticTaps:
         for tap in live:
             rows = flat[at:at + tap.k]
             at += tap.k
-            for request, s, e, offset in tap.readers:
-                put(request, tap.address, rows[offset:offset + e - s], s, e)
+            put(tap.address, rows, tap.readers)
             tap.readers = []
 
 

@@ -39,7 +39,7 @@ def install_static(runtime: Any, runner: Any) -> None:
                 tap.readers = []
             return None
         try:
-            taps.drain(runtime._read)
+            taps.drain(runtime._read_tap)
         except Exception as exc:  # never into vLLM's forward: fail the readers instead
             for tap in taps.taps.values():
                 for request, *_ in tap.readers:

@@ -57,6 +57,12 @@ def _run(taps, x, y, fixed):
     return x
 
 
+def _each(put):
+    """A drain callback (per tap) that hands each reader its rows: ``put(request, address,
+    rows, s, e)``."""
+    return lambda address, rows, readers: [put(r, address, rows[o:o + e - s], s, e) for r, s, e, o in readers]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fixed", [False, True], ids=["rows", "fixed"])
 def test_concurrent_rows_steer_and_capture_exactly_what_each_request_asked(device, fixed):
@@ -83,7 +89,7 @@ def test_concurrent_rows_steer_and_capture_exactly_what_each_request_asked(devic
         assert torch.equal(out[:3], want[:3]) and torch.equal(out[3:6], x[3:6]) and torch.equal(out[8], x[8])
         torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6, msg=f"step {step}")
         got = {}
-        taps.drain(lambda request, address, rows, s, e: got.__setitem__((id(request), address), (rows, s, e)))
+        taps.drain(_each(lambda request, address, rows, s, e: got.__setitem__((id(request), address), (rows, s, e))))
         assert set(got) == {(id(a), POST0), (id(b), POST0), (id(b), MLP1)}
         for (rid, address), (rows, s, e) in got.items():
             assert rows.device.type == "cpu" and torch.equal(rows, out[s:e].cpu()), (address, s, e)
@@ -92,7 +98,7 @@ def test_concurrent_rows_steer_and_capture_exactly_what_each_request_asked(devic
     out = _run(taps, x[:2], None, fixed)
     torch.testing.assert_close(out, x[:2] - (x[:2] @ u.to(device))[:, None] * u.to(device), atol=1e-6, rtol=1e-6)
     got = {}
-    taps.drain(lambda request, address, rows, s, e: got.__setitem__(address, rows))
+    taps.drain(_each(lambda request, address, rows, s, e: got.__setitem__(address, rows)))
     assert set(got) == {POST0, MLP1} and torch.equal(got[MLP1], out.cpu())
     # only a, which adds: the site takes its slice-add path, exactly x + v
     taps.fill([(a, 2, 5)], torch.tensor([3, 4, 5]))
@@ -100,7 +106,7 @@ def test_concurrent_rows_steer_and_capture_exactly_what_each_request_asked(devic
     out = _run(taps, x[:6], None, fixed)
     assert torch.equal(out[2:5], x[2:5] + v.to(device)) and torch.equal(out[:2], x[:2])
     assert torch.equal(out[5:], x[5:6])
-    taps.drain(lambda *_: None)
+    taps.drain(_each(lambda *_: None))
     # two requests that add, each its own vector: one index_add_, exactly x + each one's v
     d = _request([], [_op(POST0, "add", positions=(2,))], [-2 * v.to(device)], prompt_len=1)
     taps.admit(d)
@@ -109,7 +115,7 @@ def test_concurrent_rows_steer_and_capture_exactly_what_each_request_asked(devic
     out = _run(taps, x[:6], None, fixed)
     assert torch.equal(out[:2], x[:2] + v.to(device)) and torch.equal(out[5], x[5] - 2 * v.to(device))
     assert torch.equal(out[2:5], x[2:5])
-    taps.drain(lambda *_: None)
+    taps.drain(_each(lambda *_: None))
     taps.forget(d)
     taps.fill([], None)
     assert taps.idle and all(int(t.count[0]) == 0 for t in taps.taps.values())
@@ -136,7 +142,7 @@ def test_a_capture_survives_an_in_place_write_to_its_source(device, fixed):
     r.mul_(0.5).add_(h)  # what fused_add_rms_norm does to its residual argument
     h.zero_()
     got = {}
-    taps.drain(lambda req, address, rows, s, e: got.__setitem__(address, rows))
+    taps.drain(_each(lambda req, address, rows, s, e: got.__setitem__(address, rows)))
     assert torch.equal(got[POST0], want)
 
 
