@@ -317,10 +317,14 @@ class Runtime:
         if request.error is None and request.plan.board is not None:
             path, at = request.plan.board
             mark = functools.partial(self.boards.mark, path, at + self.rank)
-            if request.plan.sink is None:  # write-only: served once admitted
+            reads = request.plan.reads
+            if request.plan.sink is None or (not self.store_captures and not any(a.name in self.rank_shards
+                                                                                 for a in reads)):
+                # write-only, or a harvest plan on a tensor-parallel rank > 0 (rank 0 writes the rows
+                # every rank holds whole): served once admitted
                 if mark(OK):
                     request.report, request.served = mark, True
-            elif all(self._sinks(a) for a in request.plan.reads) and mark(0):
+            elif all(self._sinks(a) for a in reads) and mark(0):
                 request.report = mark  # a harvest plan: OK once its last rows are in the sink
         self.by_rid[plan.rid] = request
         return request

@@ -186,7 +186,7 @@ def test_an_error_inside_the_runtime_fails_only_its_request(monkeypatch, model_p
 
 
 @pytest.mark.parametrize("arch", ["qwen3"])
-def test_tensor_parallel_two_ranks_equal_one_and_eager(model_pool, arch, tmp_path):
+def test_tensor_parallel_two_ranks_equal_one_and_eager(model_pool, arch, tmp_path, monkeypatch):
     """Two CPU ranks (VLLM_CPU_OMP_THREADS_BIND is set to one core each): points read after the
     all-reduce, z gathered from the ranks' head slices, steering applied on every rank."""
     eager = model_pool.get(arch)
@@ -230,6 +230,18 @@ def test_tensor_parallel_two_ranks_equal_one_and_eager(model_pool, arch, tmp_pat
     assert torch.equal(a.token_ids, b.token_ids)
     for p in ("resid_post.1", "z.2"):
         assert_close_scaled(b[p], a[p], msg=f"tp2 harvest {p}")
+    # points every rank holds whole: rank 0 writes them, both ranks say so on the status board,
+    # and no window asks the workers anything
+    rpcs = []
+    collect = type(two.backend)._collect
+    monkeypatch.setattr(type(two.backend), "_collect",
+                        lambda self, llm, ended: rpcs.append(len(ended)) or collect(self, llm, ended))
+    harvest(two, texts, ["resid_post.1", "mlp_out.2"], tmp_path / "tp2-board", **kwargs)
+    harvest(eager, texts, ["resid_post.1", "mlp_out.2"], tmp_path / "eager-board", **kwargs)
+    a, b = harvest.load(tmp_path / "eager-board"), harvest.load(tmp_path / "tp2-board")
+    for p in ("resid_post.1", "mlp_out.2"):
+        assert_close_scaled(b[p], a[p], msg=f"tp2 harvest {p}")
+    assert rpcs == []
     _holds_nothing(two)
 
 
