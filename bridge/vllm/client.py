@@ -466,7 +466,8 @@ class VllmBackend:
         n = next(_ids)
         rid = f"{_PROCESS}{n:x}"  # unique across clients of one worker (os.urandom per request is slow)
         slot = None
-        if self._board is not None and ((plan.writes and not plan.reads) or (rows_to is not None and self._boards(plan))):
+        if self._board is not None and ((plan.writes and not plan.reads)
+                                        or (rows_to is not None and self._boards(plan))):
             with self._wake:
                 slot = self._board.take()
         extra = None if plan.empty else {"interp_engine": plan_to_wire(
@@ -820,10 +821,11 @@ class VllmBackend:
         first; ``rows`` holds only what the workers could not write whole (the slices of a point
         sharded over tensor-parallel ranks, joined here).
 
-        A window whose workers wrote every row themselves says so on the status board (board.py)
-        and needs no answer at all. Any other finished window's place goes to the next one at once;
-        its workers' answer is fetched later, in one rpc for up to ``_SETTLE_MAX`` finished windows (and for the last ones when
-        nothing else is in flight), so the engine never waits between steps on an rpc per step."""
+        A finished window's place goes to the next one at once. One whose workers wrote every row
+        themselves says so on the status board (board.py) and needs no answer at all; any other's
+        answer is fetched later, in one rpc for up to ``_SETTLE_MAX`` finished windows (and for
+        the last ones when nothing else is in flight), so the engine never waits between steps on
+        an rpc per step."""
         import collections
 
         config = SamplingConfig(max_tokens=max_tokens, temperature=0.0, stop_at_eos=False)
