@@ -168,6 +168,44 @@ def _advance(taken: list[Buffer]) -> None:
             buffer.filled = buffer.covered
 
 
+class _DecodeRun:
+    """Readers of one point in a steady decode, each taking one row per step into its arena
+    region: the step's arena rows are each region's start plus the position read, so the whole
+    step is one ``index_copy_`` and one comparison of positions, with no Python per reader but
+    the count of rows each buffer holds. Built on a step where every one of them took the next
+    row of its region (``_next_rows``), it serves the steps after while its caller's layout holds
+    (the same readers at the same rows of the forward) and each reader reads the position after
+    last step's, inside its region; ``step`` declines anything else (the caller goes the long way)."""
+
+    __slots__ = ("arena", "buffers", "index", "expect", "starts", "room", "which", "n")
+
+    def __init__(self, arena: Arena, buffers: list[Buffer], rows: np.ndarray, positions: list[int],
+                 which: torch.Tensor | None) -> None:
+        self.arena, self.buffers, self.which, self.n = arena, buffers, which, len(buffers)
+        lo = int(rows[0])
+        contiguous = bool((rows == np.arange(lo, lo + len(rows))).all())
+        self.index = slice(lo, lo + len(rows)) if contiguous else rows  # the forward's rows they read
+        pos = np.asarray(positions, dtype=np.int64)
+        self.expect = pos + 1
+        self.starts = np.array([b.start for b in buffers], dtype=np.int64)
+        self.room = int((np.array([b.size for b in buffers]) - self.expect).min())  # steps that still fit
+
+    def step(self, positions: np.ndarray, rows: torch.Tensor) -> bool:
+        """This step's rows (``which`` of ``rows``, or its first ``n``) into the regions, if the
+        readers read the positions after last step's; False (and nothing done) otherwise."""
+        if self.room <= 0:
+            return False
+        pos = positions[self.index]
+        if not np.array_equal(pos, self.expect):
+            return False
+        self.arena.put(torch.from_numpy(self.starts + pos),
+                       rows.narrow(0, 0, self.n) if self.which is None else rows.index_select(0, self.which))
+        _advance(self.buffers)
+        self.expect = pos + 1
+        self.room -= 1
+        return True
+
+
 class Runtime:
     """Per worker process. ``install`` once after the model is loaded."""
 
@@ -193,6 +231,8 @@ class Runtime:
         self._reading = False  # some request of the laid-out forward captures
         self._worked: dict[tuple[int, str], tuple] = {}  # each site's work, worked out (_apply)
         self.arenas: dict[Address, Arena] = {}  # each point's rows, for all its readers (buffers.py)
+        # each compiled tap's steady decode: (the readers it was built for, the run, the others)
+        self._runs: dict[Address, tuple[list, _DecodeRun, list]] = {}
         self.sink_files = SinkFiles()  # harvest sink files open for writing (sink.py)
         self.boards = BoardFiles()  # the clients' status boards (board.py)
         self.lock = threading.Lock()
@@ -266,6 +306,7 @@ class Runtime:
         """Which requests' rows this forward holds, and each hooked site's work for them."""
         self._clear_sites()
         self._worked = {}
+        self._runs = {}
         self.active = []
         for j, req_id in enumerate(ids):
             request = self.requests.get(req_id, False)
@@ -523,20 +564,27 @@ class Runtime:
         rows = [r[2] for r in reads]
         offsets = [s - lo for s in rows]
         which = None if offsets == list(range(len(offsets))) else torch.tensor(offsets)
-        return self.arenas[address], which, buffers, np.array(rows)
+        return [self.arenas[address], which, buffers, np.array(rows), None]  # the last: its _DecodeRun
 
-    def _read_decode(self, decode: tuple, rows: torch.Tensor) -> list[int]:
+    def _read_decode(self, decode: list, rows: torch.Tensor) -> list[int]:
         """One decode step's rows of its readers into their arena regions, in one copy; the
         readers left out (by index), to be read on their own: those whose row is not the next
-        position they expect, or would not fit their region (or have none yet)."""
-        arena, which, buffers, at_rows = decode
-        at, taken, rest = _next_rows(buffers, self.pos_np[at_rows].tolist())
+        position they expect, or would not fit their region (or have none yet). A step after
+        one where every reader took its row goes through that step's _DecodeRun."""
+        arena, which, buffers, at_rows, run = decode
+        if run is not None and run.step(self.pos_np, rows):
+            return []
+        decode[4] = None
+        positions = self.pos_np[at_rows].tolist()
+        at, taken, rest = _next_rows(buffers, positions)
         if rest:
             keep = sorted(set(range(len(buffers))) - set(rest))
             which = (torch.arange(rows.shape[0]) if which is None else which)[keep]
         if at:
             arena.put(torch.tensor(at), rows if which is None else rows.index_select(0, which))
             _advance(taken)
+            if not rest:
+                decode[4] = _DecodeRun(arena, taken, at_rows, positions, which)
         return rest
 
     def _read_tap(self, address: Address, rows: torch.Tensor, readers: list) -> None:
@@ -546,20 +594,36 @@ class Runtime:
         one copy (as a hooked site's do, _read_decode); the others each on their own."""
         rest = readers
         arena = self.arenas.get(address)
+        cached = self._runs.pop(address, None)
+        if cached is not None and cached[0] is readers:  # the layout held: last step's readers
+            try:
+                if cached[1].step(self.pos_np, rows):
+                    self._runs[address] = cached
+                    rest = cached[2]
+                    arena = None  # done together
+            except Exception:  # each on its own below, where a failure is its request's
+                log.exception("interp_engine runtime: copying a decode step's tap rows together failed")
+                arena = None
         if len(readers) > 1 and arena is not None and arena.data is not None:
             try:
                 ones = [r for r in readers if r[2] - r[1] == 1 and (b := r[0].buffers.get(address)) is not None
                         and b.arena is arena]
                 if len(ones) > 1:
-                    at, taken, left = _next_rows([r[0].buffers[address] for r in ones],
-                                                 self.pos_np[[r[1] for r in ones]].tolist())
+                    positions = self.pos_np[[r[1] for r in ones]].tolist()
+                    at, taken, left = _next_rows([r[0].buffers[address] for r in ones], positions)
                     if len(at) > 1:
                         skip = set(left)
                         used = [r for j, r in enumerate(ones) if j not in skip]
-                        arena.put(torch.tensor(at), rows.index_select(0, torch.tensor([r[3] for r in used])))
+                        offsets = [r[3] for r in used]
+                        which = None if offsets == list(range(len(used))) else torch.tensor(offsets)
+                        arena.put(torch.tensor(at), rows.narrow(0, 0, len(used)) if which is None
+                                  else rows.index_select(0, which))
                         _advance(taken)
                         done = {id(r) for r in used}
                         rest = [r for r in readers if id(r) not in done]
+                        run = _DecodeRun(arena, taken, np.array([r[1] for r in used]),
+                                         [p for j, p in enumerate(positions) if j not in skip], which)
+                        self._runs[address] = (readers, run, rest)
             except Exception:  # each on its own below, where a failure is its request's
                 log.exception("interp_engine runtime: copying a decode step's tap rows together failed")
                 rest = readers

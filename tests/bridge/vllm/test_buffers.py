@@ -105,12 +105,54 @@ def test_a_decode_step_copies_the_rows_it_can_in_one_go_and_leaves_the_rest_to_t
     buffers = [fits, outgrown, skipping, late]
     at_rows = np.array([2, 3, 4, 1])
     which = torch.tensor([2, 3, 4, 1])  # rows of ``step`` (lo = 0), in the readers' order
-    rest = Runtime._read_decode(SimpleNamespace(pos_np=positions), (arena, which, buffers, at_rows), step)
+    rest = Runtime._read_decode(SimpleNamespace(pos_np=positions), [arena, which, buffers, at_rows, None], step)
     assert rest == [1, 2]  # outgrown (own rows), skipping (position 6, expects 4)
     assert fits.covered == 5 and torch.equal(fits.data[4], torch.full((4,), 4.0))
     assert late.covered == 6 and torch.equal(late.data[5], torch.full((4,), 35.0))
     assert outgrown.covered == 9 and skipping.covered == 4  # untouched: theirs to read
     assert torch.equal(skipping.data[:4], _rows(0, 4, tag=20.0))
+
+
+def test_a_steady_decode_goes_through_its_run_and_falls_back_when_a_reader_strays():
+    """After a step where every reader took its next row together, the steps after go through
+    that step's _DecodeRun (one copy, no per-reader search). Each step's rows land at their
+    positions; a reader whose position is not the one after last step's, and a region that
+    would overflow, send the step the long way, with nothing lost and no neighbour's rows touched."""
+    import numpy as np
+
+    from bridge.vllm.runtime import Runtime, _DecodeRun
+
+    arena = Arena()
+    a, b = Buffer(8, arena), Buffer(8, arena)  # neighbouring regions of 8 rows each
+    a.put(0, _rows(0, 4, tag=100.0))
+    b.put(0, _rows(0, 6, tag=200.0))
+    decode = [arena, None, [a, b], np.array([0, 1]), None]  # rows 0, 1 of each forward, in order
+    runtime = SimpleNamespace()
+    runs = 0
+    for step in range(6):  # a reads 4..9, b 6..11: b's region (8 rows) is full after two steps
+        pa, pb = 4 + step, 6 + step
+        runtime.pos_np = np.array([pa, pb])
+        run = decode[4]
+        rest = Runtime._read_decode(runtime, decode, torch.cat([_rows(pa, 1, tag=100.0), _rows(pb, 1, tag=200.0)]))
+        runs += run is not None and rest == []
+        for i in rest:  # as _apply does: each on its own
+            buffer, p, tag = ((a, pa, 100.0), (b, pb, 200.0))[i]
+            buffer.put(p, _rows(p, 1, tag=tag))
+    assert runs == 1  # step 1 went through step 0's run; step 2 would overflow b's region
+    assert a.covered == 10 and b.covered == 12
+    assert torch.equal(a.data[:10], _rows(0, 10, tag=100.0)) and torch.equal(b.data[:12], _rows(0, 12, tag=200.0))
+
+    # a reader that strays (a recomputed position): the run declines and writes nothing
+    c, d = Buffer(16, arena), Buffer(16, arena)
+    c.put(0, _rows(0, 2, tag=300.0))
+    d.put(0, _rows(0, 2, tag=400.0))
+    runtime.pos_np = np.array([2, 2])
+    run = _DecodeRun(arena, [c, d], np.array([0, 1]), [1, 1], None)  # as if built last step at 1, 1
+    assert run.step(runtime.pos_np, torch.cat([_rows(2, 1, tag=300.0), _rows(2, 1, tag=400.0)]))
+    runtime.pos_np = np.array([3, 2])  # d is at 2 again: not the position after last step's
+    assert not run.step(runtime.pos_np, torch.cat([_rows(3, 1, tag=300.0), _rows(2, 1, tag=-1.0)]))
+    assert c.covered == 3 and d.covered == 3 and torch.equal(d.data[:3], _rows(0, 3, tag=400.0))
+    assert torch.equal(c.data[:3], _rows(0, 3, tag=300.0))
 
 
 def test_an_arena_that_grows_keeps_the_rows_already_in_it():
