@@ -206,6 +206,7 @@ class VllmBackend:
             self._kwargs["kv_cache_memory_bytes"] = 1 << 30
         self._llm = None
         self._board = None  # where the workers report write-only plans (board.py), once started
+        self._spill = None  # where multiprocess workers write a collect's rows (spill.py), once started
         self._lock = threading.RLock()  # one caller inside the engine at a time
         self._wake = threading.Condition()
         self._requests: dict[str, _Request] = {}
@@ -286,6 +287,10 @@ class VllmBackend:
             from .board import StatusBoard
 
             self._board = StatusBoard(self.world)
+            if not self._in_process:
+                from .spill import SpillFiles
+
+                self._spill = SpillFiles(self.world)
             self._routing_mismatch = {int(k): v for k, v in (infos[0].get("routing_mismatch") or {}).items()}
             self._pattern_mismatch = {int(k): v for k, v in (infos[0].get("pattern_mismatch") or {}).items()}
             self._expert_refusals = {int(k): v for k, v in (infos[0].get("expert_write_refusals") or {}).items()}
@@ -311,6 +316,7 @@ class VllmBackend:
             if self._board is not None:
                 self._board.close()
                 self._board = None
+            self._spill = None
         self._driver = self._watchdog = None
         self._stop = self._dead = False
         self._in_process = None
@@ -605,14 +611,32 @@ class VllmBackend:
         """The workers' captures (or status) of every request that finished in this step, in
         one rpc; each request is freed in the workers. Called between steps, holding _lock."""
         items = [(r.rid, r.prompt_len + r.generated - 1 if r.capture is not None else 0) for r in ended]
+        spill_to = self._spill_to(ended)
         try:
-            answers: list | BaseException = llm.collective_rpc("interp_collect_many", args=(items,))
+            answers: list | BaseException = llm.collective_rpc(
+                "interp_collect_many", args=(items,) if spill_to is None else (items, spill_to))
         except BaseException as exc:  # reported to each of these requests by _settle
             answers = exc
+        if spill_to is not None:
+            try:
+                self._spill.take(spill_to, answers)
+            except Exception as exc:
+                answers = exc
         for i, request in enumerate(ended):
             request.released = True
             request.settled = answers if isinstance(answers, BaseException) else [a[i] for a in answers]
             self._give_slot(request)
+
+    def _spill_to(self, ended: list[_Request]) -> str | None:
+        """Where the workers may write these requests' rows (spill.py): worth it for a
+        multiprocess engine's captures; None for an in-process one (its answers are not
+        serialized) or when no request captures."""
+        if self._spill is None or not any(r.capture is not None for r in ended):
+            return None
+        try:
+            return self._spill.make()
+        except OSError:
+            return None  # no room for even an empty file: the rows come in the answers
 
     def _give_slot(self, request: _Request) -> None:
         """``request``'s board row back, once no worker can write for it any more (it ended and

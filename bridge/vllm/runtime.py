@@ -839,9 +839,11 @@ class Runtime:
         save_file(tensors, tmp, metadata=meta)
         os.replace(tmp, path)
 
-    def collect(self, rid: str, n_positions: int | None, release: bool = True) -> dict:
+    def collect(self, rid: str, n_positions: int | None, release: bool = True,
+                encode: Callable[[torch.Tensor], Any] = tensor_to_wire) -> dict:
         """The rows of request ``rid`` at positions < ``n_positions`` (all with None), per
-        address, as wire tensors; ``error`` if serving it failed. Frees it when ``release``."""
+        address, as wire tensors (or what ``encode`` makes of them); ``error`` if serving it
+        failed. Frees it when ``release``."""
         request = self.by_rid.get(rid)
         if request is None:
             return {"found": False}
@@ -883,7 +885,7 @@ class Runtime:
                         out["error"] = f"writing {address} to {sink.path} failed: {exc!r}"
                         break
                 # a rank's slice of a sharded point (the client joins the slices) or no sink
-                out["values"][str(address)] = tensor_to_wire(value)
+                out["values"][str(address)] = encode(value)
         if release:
             self.release(rid)
         return out

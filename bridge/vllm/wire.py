@@ -58,8 +58,14 @@ def tensor_to_wire(t: torch.Tensor) -> tuple[str, list[int], bytes]:
 
 
 def tensor_from_wire(wire) -> torch.Tensor:
+    """The tensor of a wire triple. Its bytes are copied unless they come as a writable
+    memoryview (rows a client read from a worker's rows file, spill.py): then it is a view."""
     dtype, shape, data = wire
-    flat = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    if not len(data):  # frombuffer refuses an empty buffer
+        return torch.empty(shape, dtype=_DTYPES[dtype] if dtype in _DTYPES else getattr(torch, dtype))
+    if not (isinstance(data, memoryview) and not data.readonly):
+        data = bytearray(data)
+    flat = torch.frombuffer(data, dtype=torch.uint8)
     return flat.view(_DTYPES[dtype] if dtype in _DTYPES else getattr(torch, dtype)).reshape(shape)
 
 

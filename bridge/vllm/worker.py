@@ -11,6 +11,7 @@ import torch
 
 from .install import install_runtime, runtime_of, tp_rank_and_size
 from .plugin import register
+from .spill import as_rows, encode
 from .wire import tensor_from_wire, tensor_to_wire
 
 # vLLM imports this module in each worker process before it builds the worker: from here on the
@@ -64,15 +65,19 @@ class InterpWorkerExtension:
         out["rank"] = tp_rank_and_size()[0]
         return out
 
-    def interp_collect_many(self, items: list) -> list[dict]:
+    def interp_collect_many(self, items: list, spill_to: str | None = None) -> list[dict]:
         """``interp_collect`` of several ``(rid, n_positions)`` at once (each released): the
-        driver collects every request that finished in one step with one rpc."""
+        driver collects every request that finished in one step with one rpc. ``spill_to``:
+        the base path of the client's rows files (spill.py), where this rank writes the rows."""
         runtime, rank = self._interp_runtime(), tp_rank_and_size()[0]
         answers = []
         for rid, n_positions in items:
-            out = runtime.collect(rid, n_positions, True)
+            # the rows as tensors for now (views of buffers let go: nothing writes them before
+            # the next step), into the rows file or onto the wire below
+            out = runtime.collect(rid, n_positions, True, encode=as_rows)
             out["rank"] = rank
             answers.append(out)
+        encode(answers, None if not spill_to else f"{spill_to}.{rank}")
         return answers
 
     def interp_release(self, rid: str) -> None:

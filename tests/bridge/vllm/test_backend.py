@@ -5,6 +5,7 @@ and refusals before any forward. One engine per architecture for the whole sessi
 from __future__ import annotations
 
 import asyncio
+import os
 
 import pytest
 import torch
@@ -316,6 +317,40 @@ def test_chunked_prefill_and_concurrent_captures_map_rows_back(model_pool):
     # next step (when vLLM's model runner lets it go): one tiny request later, nothing is held
     list(generate_stream(vllm, [5, 6], max_tokens=1, temperature=0.0))
     assert all(s["live"] == 0 and s["by_rid"] == 0 and s["finished"] == 0 for s in vllm.backend.worker_stats())
+
+
+def test_concurrent_captures_come_back_through_the_rows_file_equal_to_eager(model_pool):
+    """Requests that end in one step are collected with one rpc; a multiprocess engine's workers
+    write their rows into the client's rows file (bridge/vllm/spill.py) instead of the rpc's
+    answer. Every row equals eager's, the file really carried them, and no file is left."""
+    eager, vllm = model_pool.get("qwen3"), model_pool.get("qwen3", "vllm")
+    vllm.warmup()
+    backend = vllm.backend
+    assert not backend.in_process and backend._spill is not None
+    points = [Address(name, layer) for name in ("resid_post", "mlp_out", "z") for layer in range(eager.n_layers)]
+    prompts = [eager.to_tokens(p)[0].tolist() for p in PROMPTS] * 3
+    spilled, take = [], backend._spill.take
+
+    def spy(base, answers):
+        take(base, answers)
+        spilled.extend(a for per_rank in answers for a in per_rank if a.get("spilled"))
+        assert not any(os.path.exists(f"{base}.{rank}") for rank in range(backend.world))
+
+    backend._spill.take = spy
+    try:
+        async def run():
+            return await asyncio.gather(*[vllm.capture_generation(p, points, max_tokens=5, temperature=0.0,
+                                                                  stop_at_eos=False) for p in prompts])
+        results = asyncio.run(run())
+    finally:
+        del backend._spill.take
+    assert spilled  # the rows came through the file, not the answer
+    for prompt, (completion, rows) in zip(prompts, results):
+        ce_completion, ce = capture_generation(eager, torch.tensor([prompt]), points, max_tokens=5,
+                                               temperature=0.0, stop_at_eos=False)
+        assert completion.token_ids == ce_completion.token_ids
+        for point in points:
+            assert_close_scaled(rows[point], ce[point], msg=point)
 
 
 def test_head_contributions_run_where_the_weights_are(pair):
