@@ -23,6 +23,7 @@ import mmap
 import os
 import tempfile
 import uuid
+import weakref
 
 __all__ = ["BoardFiles", "StatusBoard", "OK", "FAILED"]
 
@@ -46,6 +47,8 @@ class StatusBoard:
             os.close(fd)
         self._free = list(range(self.slots - 1, -1, -1))
         self._done = bytes([OK]) * self.world
+        # a client that exits without closing its model still removes the file
+        self._unlink = weakref.finalize(self, _unlink, self.path)
 
     def take(self) -> int | None:
         """A free slot, its row zeroed (None when all are taken: the request collects by rpc)."""
@@ -73,10 +76,14 @@ class StatusBoard:
         if self._map is not None:
             self._map.close()
             self._map = None
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        self._unlink()
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
 
 
 class BoardFiles:

@@ -16,6 +16,17 @@ from interp_engine import SteerSpec, generate_stream, steer
 PROMPT = "Once upon a time, in a land far away, there lived"
 
 
+def test_a_client_that_exits_without_closing_leaves_no_board_file(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("import sys; from bridge.vllm.board import StatusBoard; "
+            f"print(StatusBoard(world=1, directory={str(tmp_path)!r}).path)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__)))))
+    assert out.stdout.strip().startswith(str(tmp_path)) and os.listdir(tmp_path) == []
+
+
 def test_a_row_is_ok_only_when_every_rank_says_so_and_is_zeroed_when_taken_again(tmp_path):
     board = StatusBoard(world=2, slots=2, directory=str(tmp_path))
     files = BoardFiles()
