@@ -46,7 +46,7 @@ from specs import ArchSpec, VllmTap
 from .board import FAILED, OK, BoardFiles
 from .buffers import Arena, Buffer
 from .routing import experts_path
-from .sink import SinkFiles, SinkWriter, rows_are_values
+from .sink import SinkFiles, SinkWriter, rows_are_values, write_rows
 from .wire import WirePlan, plan_from_args, process_registry, tensor_to_wire
 
 __all__ = ["Runtime"]
@@ -627,6 +627,8 @@ class Runtime:
             except Exception:  # each on its own below, where a failure is its request's
                 log.exception("interp_engine runtime: copying a decode step's tap rows together failed")
                 rest = readers
+        if len(rest) > 1 and self._sinks(address):
+            rest = self._sink_together(address, rows, rest)
         for request, s, e, offset in rest:
             try:
                 self._read(request, address, rows[offset:offset + e - s], s, e)
@@ -673,15 +675,68 @@ class Runtime:
                     self._read(request, address, rows, s, e)
                     return
             request.sink.write(address, rows, self.pos_np[s:e])
-            n = request.plan.sink.positions
-            if request.report is not None and int(self.pos_np[e - 1]) == n - 1 and request.sink.complete(address, n):
-                request.sunk.add(address)
-                if len(request.sunk) == len(request.plan.reads) and request.error is None:
-                    request.served = True
-                    request.sink.close()  # its file is the client's again: no more rows come
-                    request.report(OK)  # inside the forward: before this step's outputs leave
+            self._sunk(request, address, int(self.pos_np[e - 1]))
         except Exception as exc:  # this request's error; the others in the forward go on
             self._failed(request, exc)
+
+    def _sunk(self, request: _Request, address: Address, last: int) -> None:
+        """After ``request``'s rows up to position ``last`` of ``address`` went into its sink: if
+        that was its last position and every one is in, and so for every read, it is served."""
+        n = request.plan.sink.positions
+        if request.report is not None and last == n - 1 and request.sink.complete(address, n):
+            request.sunk.add(address)
+            if len(request.sunk) == len(request.plan.reads) and request.error is None:
+                request.served = True
+                request.sink.close()  # its file is the client's again: no more rows come
+                request.report(OK)  # inside the forward: before this step's outputs leave
+
+    def _sink_together(self, address: Address, rows: torch.Tensor, readers: list) -> list:
+        """Harvest readers of a compiled tap (``(request, s, e, offset)``) whose rows follow one
+        another both in ``rows`` and in one sink file (the client lays each point's rows out in
+        window order, and a prefill step holds consecutive windows): one write per such run
+        instead of one per request. Returns the readers left to be read on their own."""
+        rest, runs = [], []  # runs: [fd, byte, first row of rows, end row, [(request, first, k)]]
+        width = rows[0].numel() if rows.shape[0] else 0
+        for reader in readers:
+            request, s, e, offset = reader
+            sink = request.sink
+            if request.plan.sink is None or sink is False or e <= s or request.error is not None:
+                rest.append(reader)
+                continue
+            try:
+                if sink is None:
+                    sink = request.sink = SinkWriter(request.plan.sink, self.sink_files)
+                first = int(self.pos_np[s])
+                where = (sink.place(address, width, first, e - s)
+                         if int(self.pos_np[e - 1]) - first == e - s - 1 else None)
+            except Exception:  # its own way below: where a failure is its request's alone
+                rest.append(reader)
+                continue
+            if where is None:
+                rest.append(reader)
+                continue
+            run = runs[-1] if runs else None
+            if run is not None and run[0] == sink.fd and run[1] + (run[3] - run[2]) * width * 4 == where \
+                    and run[3] == offset:
+                run[3] = offset + e - s
+                run[4].append((request, first, e - s))
+            else:
+                runs.append([sink.fd, where, offset, offset + e - s, [(request, first, e - s)]])
+        for fd, where, lo, hi, members in runs:
+            try:
+                data = rows[lo:hi].reshape(hi - lo, -1)
+                write_rows(fd, (data if data.dtype == torch.float32 else data.to(torch.float32)).numpy(), where)
+            except Exception as exc:  # every request of this run failed; the others go on
+                for request, _, _ in members:
+                    self._failed(request, exc)
+                continue
+            for request, first, k in members:
+                try:
+                    request.sink.mark(address, first, k)
+                    self._sunk(request, address, first + k - 1)
+                except Exception as exc:
+                    self._failed(request, exc)
+        return rest
 
     def _apply(self, work: list, source: str, x: torch.Tensor, base: torch.Tensor | None,
                read_value: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

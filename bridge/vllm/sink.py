@@ -24,7 +24,7 @@ from interp_engine._address import Address
 
 from .wire import WireSink
 
-__all__ = ["SinkFiles", "SinkWriter", "rows_are_values"]
+__all__ = ["SinkFiles", "SinkWriter", "rows_are_values", "write_rows"]
 
 
 def rows_are_values(tap) -> bool:
@@ -87,14 +87,30 @@ class SinkWriter:
         first, last = int(positions[0]), int(positions[-1])
         if last - first + 1 == k and 0 <= first and last < seen.shape[0]:
             # one forward's rows of a request: consecutive positions, bar drafts
-            _pwrite(self.fd, data, at + first * row_bytes)
+            write_rows(self.fd, data, at + first * row_bytes)
             seen[first:last + 1] = True
             return
         if int(positions.min()) < 0 or int(positions.max()) >= seen.shape[0]:
             raise ValueError(f"{address}: positions {positions.tolist()} outside the sink's {seen.shape[0]} rows")
         for row, p in zip(data, positions.tolist()):
-            _pwrite(self.fd, row, at + p * row_bytes)
+            write_rows(self.fd, row, at + p * row_bytes)
         seen[positions] = True
+
+    def place(self, address: Address, width: int, first: int, k: int) -> int | None:
+        """Where in the file ``k`` rows of ``width`` floats at positions ``first ..
+        first + k - 1`` of ``address`` go (the byte), for a caller writing them itself (several
+        requests' rows in one write) and then calling ``mark``; None where ``write`` must do it
+        (positions outside the sink: it says what is wrong)."""
+        if not self.open:
+            return None
+        at, row_bytes, seen = self._point(address, width * 4)
+        if first < 0 or first + k > seen.shape[0]:
+            return None
+        return at + first * row_bytes
+
+    def mark(self, address: Address, first: int, k: int) -> None:
+        """Positions ``first .. first + k - 1`` of ``address`` are written (see ``place``)."""
+        self.seen[address][first:first + k] = True
 
     def _point(self, address: Address, row_bytes: int) -> tuple[int, int, np.ndarray]:
         """Where ``address``'s rows start in the file, their size, and which are written (its
@@ -124,7 +140,8 @@ class SinkWriter:
             self.files.release(self.sink.path)
 
 
-def _pwrite(fd: int, data: np.ndarray, at: int) -> None:
+def write_rows(fd: int, data: np.ndarray, at: int) -> None:
+    """All of ``data`` (contiguous rows) into ``fd`` at byte ``at``."""
     view = memoryview(np.ascontiguousarray(data)).cast("B")  # (rows of a contiguous buffer: no copy)
     while view:
         n = os.pwrite(fd, view, at)

@@ -127,3 +127,64 @@ def test_the_runtime_says_served_on_the_board_only_once_every_row_of_every_read_
     for r in (holed, failed):
         r.drop()
     assert runtime.sink_files.open == {}
+
+
+def test_a_compiled_taps_rows_of_consecutive_windows_go_in_with_one_write(tmp_path, monkeypatch):
+    """Runtime._sink_together: windows whose rows follow one another in the forward and in the
+    file (the client lays a point's rows out in window order) go in with one write; windows out
+    of that order take one write each; a window whose positions fall outside its place is left
+    to its own write, which refuses it and fails that request alone. Each is served once every
+    row of every read is in."""
+    from bridge.vllm import runtime as runtime_module
+    from bridge.vllm.board import OK
+    from bridge.vllm.runtime import Runtime, _Request
+    from bridge.vllm.wire import WirePlan
+    from specs import SPECS
+
+    windows = 4
+    path = _file(tmp_path, windows)
+    writes = []
+    real = runtime_module.write_rows
+    monkeypatch.setattr(runtime_module, "write_rows", lambda fd, data, at: (writes.append(at), real(fd, data, at)))
+
+    def request(window):
+        plan = WirePlan(f"r{window}", (A, B), (), sink=_sink(path, window, windows),
+                        board=(str(tmp_path / "board"), 0))
+        r = _Request(plan, N)
+        r.sunk_marks = []
+        r.report = r.sunk_marks.append
+        return r
+
+    runtime = Runtime.__new__(Runtime)  # only what _read_tap uses: no engine
+    runtime.sink_files, runtime.arenas, runtime._runs = SinkFiles(), {}, {}
+    runtime.store_captures, runtime.rank_shards, runtime.spec = True, set(), SPECS["qwen3"]
+
+    def value(window, address):
+        return torch.arange(N * W, dtype=torch.float32).reshape(N, W) + 1000 * window + 100 * (address is B)
+
+    def forward(order, address, positions=None):
+        runtime.pos_np = np.concatenate([np.arange(N) if positions is None else positions for _ in order])
+        rows = torch.cat([value(w, address) for w, _ in order])
+        readers = [(r, i * N, (i + 1) * N, i * N) for i, (_, r) in enumerate(order)]
+        writes.clear()
+        runtime._read_tap(address, rows, readers)
+        return len(writes)
+
+    rs = [request(w) for w in range(windows)]
+    assert forward([(0, rs[0]), (1, rs[1]), (2, rs[2])], A) == 1  # one run of the file
+    assert forward([(2, rs[2]), (0, rs[0]), (1, rs[1])], B) == 2  # 2, then 0..1
+    assert all(r.sunk_marks == [OK] and r.served for r in rs[:3])
+    a, b = _read(path, windows)
+    for w in range(3):
+        assert np.array_equal(a[w], value(w, A).numpy()) and np.array_equal(b[w], value(w, B).numpy())
+
+    last, stray = rs[3], request(3)
+    forward([(3, last)], A)  # alone: the request's own write (SinkWriter.write)
+    bad = np.arange(N) + 2  # positions 2 .. N + 1: past its N rows
+    runtime.pos_np = np.concatenate([np.arange(N), bad])
+    rows = torch.cat([value(3, B), torch.full((N, W), -1.0)])
+    writes.clear()
+    runtime._read_tap(B, rows, [(last, 0, N, 0), (stray, N, 2 * N, N)])
+    assert last.served and last.error is None
+    assert not stray.served and "outside the sink" in stray.error
+    assert np.array_equal(_read(path, windows)[1][3], value(3, B).numpy())  # the stray wrote nothing
