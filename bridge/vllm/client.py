@@ -629,9 +629,17 @@ class VllmBackend:
 
     def _spill_to(self, ended: list[_Request]) -> str | None:
         """Where the workers may write these requests' rows (spill.py): worth it for a
-        multiprocess engine's captures; None for an in-process one (its answers are not
-        serialized) or when no request captures."""
-        if self._spill is None or not any(r.capture is not None for r in ended):
+        multiprocess engine's captures of at least ``MIN_BYTES``; None for an in-process one
+        (its answers are not serialized) or smaller captures (the workers would not use it)."""
+        if self._spill is None:
+            return None
+        from .spill import MIN_BYTES
+        from .wire import point_width
+
+        size = self.dtype.itemsize * sum((r.prompt_len + r.generated - 1)
+                                         * sum(point_width(self.graph, a.name) for a in r.plan.reads)
+                                         for r in ended if r.capture is not None)
+        if size < MIN_BYTES:
             return None
         try:
             return self._spill.make()
