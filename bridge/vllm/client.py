@@ -636,15 +636,13 @@ class VllmBackend:
         from .spill import MIN_BYTES
         from .wire import point_width
 
-        size = self.dtype.itemsize * sum((r.prompt_len + r.generated - 1)
-                                         * sum(point_width(self.graph, a.name) for a in r.plan.reads)
-                                         for r in ended if r.capture is not None)
-        if size < MIN_BYTES:
-            return None
         try:
-            return self._spill.make()
-        except OSError:
-            return None  # no room for even an empty file: the rows come in the answers
+            size = self.dtype.itemsize * sum((r.prompt_len + r.generated - 1)
+                                             * sum(point_width(self.graph, a.name) for a in r.plan.reads)
+                                             for r in ended if r.capture is not None)
+            return self._spill.make() if size >= MIN_BYTES else None
+        except Exception:  # an estimate it cannot make, or no room for an empty file:
+            return None  # the rows come in the answers
 
     def _give_slot(self, request: _Request) -> None:
         """``request``'s board row back, once no worker can write for it any more (it ended and
