@@ -21,8 +21,10 @@ import os
 import tempfile
 import uuid
 
+import numpy as np
 import torch
 
+from .sink import write_rows
 from .wire import tensor_to_wire
 
 __all__ = ["SpillFiles", "as_rows", "encode"]
@@ -157,10 +159,7 @@ def _write_all(fd: int, buffers: list) -> int:
                 skip = 0
             at = done + n
             for view in left:
-                while view:
-                    m = os.pwrite(fd, view, at)
-                    if m <= 0:
-                        return at
-                    view, at = view[m:], at + m
+                write_rows(fd, np.frombuffer(view, dtype=np.uint8), at)
+                at += len(view)
         done += size
     return done

@@ -83,3 +83,21 @@ def test_a_rows_file_shorter_than_its_answer_says_is_an_error_and_still_goes(tmp
     base = files.make()
     files.take(base, RuntimeError("the rpc failed"))  # nothing to read: the files still go
     assert os.listdir(tmp_path) == []
+
+
+def test_a_short_write_is_finished_piece_by_piece(tmp_path, monkeypatch):
+    """A pwritev that writes less than asked (a signal, a slow file system): the rest of its
+    pieces still go in, each at its byte."""
+    from bridge.vllm import spill as spill_module
+
+    real = os.pwritev
+    monkeypatch.setattr(spill_module.os, "pwritev", lambda fd, views, at: real(fd, views[:1], at) - 3)
+    files = SpillFiles(1, directory=str(tmp_path))
+    base = files.make()
+    answers, want = _answers(0, 400)
+    encode(answers, f"{base}.0")
+    assert all(a["spilled"] for a in answers)
+    files.take(base, [answers])
+    for answer, values in zip(answers, want):
+        for key, value in values.items():
+            assert torch.equal(tensor_from_wire(answer["values"][key]), value), key
