@@ -43,6 +43,9 @@ def test_a_row_is_ok_only_when_every_rank_says_so_and_is_zeroed_when_taken_again
         board.give(a)
         again = board.take()
         assert again == a and not board.ok(again)  # the last occupant's bytes are gone
+        # a byte past the board (a plan naming a row of some other file): refused, not raised
+        assert not files.mark(where["path"], board.world * board.slots, OK)
+        assert not files.mark(where["path"], -1, OK) and not board.ok(again)
         # a worker on another machine cannot open the file: it says so, and remembers
         assert not files.mark(str(tmp_path / "elsewhere"), 0, OK)
         assert files.open[str(tmp_path / "elsewhere")] is None
