@@ -59,7 +59,10 @@ def tensor_to_wire(t: torch.Tensor) -> tuple[str, list[int], bytes]:
 
 def tensor_from_wire(wire) -> torch.Tensor:
     """The tensor of a wire triple. Its bytes are copied unless they come as a writable
-    memoryview (rows a client read from a worker's rows file, spill.py): then it is a view."""
+    memoryview (rows a client read from a worker's rows file, spill.py): then it is a view.
+    A tensor is already one (an in-process worker's answer)."""
+    if isinstance(wire, torch.Tensor):
+        return wire
     dtype, shape, data = wire
     if not len(data):  # frombuffer refuses an empty buffer
         return torch.empty(shape, dtype=_DTYPES[dtype] if dtype in _DTYPES else getattr(torch, dtype))

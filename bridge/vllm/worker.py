@@ -47,6 +47,11 @@ def _pattern_mismatch(runtime) -> dict[str, str]:
     return {str(layer): why for layer, why in mismatches(runtime.root, runtime.spec, layers).items()}
 
 
+def _own_rows(value: torch.Tensor) -> torch.Tensor:
+    """Rows in memory of their own (the buffers they view are let go with the request)."""
+    return value.detach().to("cpu", copy=True)
+
+
 class InterpWorkerExtension:
     """Mixed into vLLM's worker class; ``self`` is the worker."""
 
@@ -65,19 +70,22 @@ class InterpWorkerExtension:
         out["rank"] = tp_rank_and_size()[0]
         return out
 
-    def interp_collect_many(self, items: list, spill_to: str | None = None) -> list[dict]:
+    def interp_collect_many(self, items: list, spill_to: str | None = None, tensors: bool = False) -> list[dict]:
         """``interp_collect`` of several ``(rid, n_positions)`` at once (each released): the
         driver collects every request that finished in one step with one rpc. ``spill_to``:
-        the base path of the client's rows files (spill.py), where this rank writes the rows."""
+        the base path of the client's rows files (spill.py), where this rank writes the rows.
+        ``tensors``: the client runs in this process (an in-process engine, whose rpc answer is
+        never serialized): each point's rows come as a tensor of their own, not as bytes."""
         runtime, rank = self._interp_runtime(), tp_rank_and_size()[0]
         answers = []
         for rid, n_positions in items:
             # the rows as tensors for now (views of buffers let go: nothing writes them before
             # the next step), into the rows file or onto the wire below
-            out = runtime.collect(rid, n_positions, True, encode=as_rows)
+            out = runtime.collect(rid, n_positions, True, encode=_own_rows if tensors else as_rows)
             out["rank"] = rank
             answers.append(out)
-        encode(answers, None if not spill_to else f"{spill_to}.{rank}")
+        if not tensors:
+            encode(answers, None if not spill_to else f"{spill_to}.{rank}")
         return answers
 
     def interp_release(self, rid: str) -> None:

@@ -10,7 +10,8 @@ import importlib.util
 import pytest
 import torch
 
-from interp_engine import SteerSpec, capture_generation, generate_stream, load_model, run_with_cache, steer
+from interp_engine import (SteerSpec, capture_generation, generate_stream, load_model, run_with_cache, steer,
+                           to_address)
 from interp_engine.testing import assert_close_scaled, tiny_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
@@ -180,6 +181,34 @@ def test_an_error_inside_the_runtime_fails_only_its_request(monkeypatch, model_p
         ce, cv = run_with_cache(eager, tokens, points), run_with_cache(vllm, tokens, points)
         for p in points:
             assert_close_scaled(cv[p], ce[p], msg=p)
+        # its worker answers the collect rpc with tensors (nothing is serialized in one process),
+        # each in memory of its own: the next requests' rows, read into the buffers these
+        # viewed, leave them as they were
+        asked = []
+        rpc = vllm.backend._llm.collective_rpc
+        monkeypatch.setattr(vllm.backend._llm, "collective_rpc",
+                            lambda method, *a, **k: (asked.append((method, k.get("args"))), rpc(method, *a, **k))[1])
+
+        def capture(prompt, n):
+            return vllm.capture_generation(prompt, points, max_tokens=n, temperature=0.0, stop_at_eos=False)
+
+        async def run(first, then):
+            # a long request keeps the buffers' arenas in use, so the regions the first
+            # captures held are handed to the next ones
+            long = asyncio.ensure_future(capture(tokens[0].tolist(), 24))
+            kept = await asyncio.gather(*[capture(p, 3) for p in first])
+            await asyncio.gather(*[capture(p, 3) for p in then])
+            await long
+            return kept
+
+        first = [tokens[0, : 5 + i].tolist() for i in range(3)]
+        kept = asyncio.run(run(first, [tokens[0, 2: 9 + i].tolist() for i in range(3)]))
+        assert any(m == "interp_collect_many" and args[2:] == (True,) for m, args in asked)
+        for prompt, (_, rows) in zip(first, kept):
+            _, expected = capture_generation(eager, torch.tensor([prompt]), points, max_tokens=3, temperature=0.0,
+                                             stop_at_eos=False)
+            for p in points:
+                assert_close_scaled(rows[to_address(p)], expected[p], msg=p)
         _holds_nothing(vllm)
     finally:
         vllm.close()
