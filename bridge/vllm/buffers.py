@@ -138,11 +138,14 @@ class Buffer:
         top = first + rows.shape[0]
         if top == first:
             return
-        data = self.data
-        if data is None or top > data.shape[0]:
-            self._room(top, rows)
+        if self.start >= 0 and top <= self.size:  # in its region: one slice of the arena
+            self.arena.data[self.start + first:self.start + top] = rows
+        else:
             data = self.data
-        data[first:top] = rows
+            if data is None or top > data.shape[0]:
+                self._room(top, rows)
+                data = self.data
+            data[first:top] = rows
         self.mark(first, top)
 
     def put_at(self, positions: torch.Tensor, rows: torch.Tensor) -> None:

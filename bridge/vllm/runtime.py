@@ -633,11 +633,64 @@ class Runtime:
                 rest = readers
         if len(rest) > 1 and self._sinks(address):
             rest = self._sink_together(address, rows, rest)
+        if len(rest) > 1:
+            rest = self._read_together(address, rows, rest)
         for request, s, e, offset in rest:
             try:
                 self._read(request, address, rows[offset:offset + e - s], s, e)
             except Exception as exc:  # this request's failure; the others read on
                 self._failed(request, exc)
+
+    def _read_together(self, address: Address, rows: torch.Tensor, readers: list) -> list:
+        """Readers of one point (``(request, s, e, offset)``: rows ``offset .. offset + e - s``
+        of ``rows`` are the request's rows s:e of the forward) whose rows are consecutive
+        positions that fit their arena regions (a prefill step's requests): into the regions
+        with one ``index_copy_``, instead of a copy per request. Returns the readers left to be
+        read on their own (all of them if fewer than two go together)."""
+        pos = self.pos_np
+        starts, offsets, counts, done, rest = [], [], [], [], []
+        try:
+            arena = self.arenas.get(address)
+            if arena is None:
+                arena = self.arenas[address] = Arena()
+            for reader in readers:
+                request, s, e, offset = reader
+                k = e - s
+                if k < 1 or request.error is not None or (request.plan.sink is not None and request.sink is not False
+                                                          and self._sinks(address)):
+                    rest.append(reader)
+                    continue
+                first = int(pos[s])
+                buffer = request.buffers.get(address)
+                if (k > 1 and int(pos[e - 1]) - first + 1 != k) or (buffer is not None and buffer.arena is not arena):
+                    rest.append(reader)
+                    continue
+                if buffer is None:
+                    buffer = self._buffer(request, address)
+                if not buffer.in_arena(first + k, rows):
+                    rest.append(reader)
+                    continue
+                starts.append(buffer.start + first)
+                offsets.append(offset)
+                counts.append(k)
+                done.append((buffer, first, first + k))
+            if len(done) < 2:
+                return readers
+            k = np.asarray(counts)
+            total = int(k.sum())
+            lead = np.cumsum(k) - k  # where each reader's rows start among the copied ones
+            at = torch.from_numpy(np.arange(total) + np.repeat(np.asarray(starts) - lead, k))
+            if offsets[0] == 0 and offsets == lead.tolist():  # the first rows of ``rows``, in order
+                taken = rows if rows.shape[0] == total else rows[:total]
+            else:
+                taken = rows.index_select(0, torch.from_numpy(np.arange(total) + np.repeat(np.asarray(offsets) - lead, k)))
+            arena.put(at, taken)
+        except Exception:  # each on its own, where a failure is its request's
+            log.exception("interp_engine runtime: copying a step's rows together failed")
+            return readers
+        for buffer, first, top in done:
+            buffer.mark(first, top)
+        return rest
 
     def _buffer(self, request: _Request, address: Address) -> Buffer:
         arena = self.arenas.get(address)
