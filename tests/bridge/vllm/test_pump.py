@@ -47,6 +47,7 @@ class _Engine:
 def _backend(engine: _Engine) -> VllmBackend:
     backend = VllmBackend.__new__(VllmBackend)  # no engine of its own: the scripted one
     backend._llm, backend._board, backend._spill, backend._dead = engine, None, None, False
+    backend._in_process, backend.world = False, 1  # a multiprocess engine's driver
     backend._lock, backend._wake = threading.RLock(), threading.Condition()
     backend._requests, backend._held, backend._incoming, backend._queued = {}, [], [], []
     return backend
