@@ -612,9 +612,10 @@ class VllmBackend:
         one rpc; each request is freed in the workers. Called between steps, holding _lock."""
         items = [(r.rid, r.prompt_len + r.generated - 1 if r.capture is not None else 0) for r in ended]
         spill_to = self._spill_to(ended)
-        # an in-process engine's one worker answers with tensors (no bytes: nothing is serialized)
-        args = (items, None, True) if self.in_process and self.world == 1 else \
-            (items,) if spill_to is None else (items, spill_to)
+        if self.in_process and self.world == 1:
+            args = (items, None, True)  # its one worker answers with tensors: nothing is serialized
+        else:
+            args = (items,) if spill_to is None else (items, spill_to)
         try:
             answers: list | BaseException = llm.collective_rpc("interp_collect_many", args=args)
         except BaseException as exc:  # reported to each of these requests by _settle

@@ -656,8 +656,7 @@ class Runtime:
             for reader in readers:
                 request, s, e, offset = reader
                 k = e - s
-                if k < 1 or request.error is not None or (request.plan.sink is not None and request.sink is not False
-                                                          and self._sinks(address)):
+                if k < 1 or request.error is not None or self._into_sink(request, address):
                     rest.append(reader)
                     continue
                 first = int(pos[s])
@@ -703,7 +702,7 @@ class Runtime:
         """``rows`` (already copied to the CPU) are rows s:e of this forward."""
         if e <= s:
             return
-        if request.plan.sink is not None and request.sink is not False and self._sinks(address):
+        if self._into_sink(request, address):
             self._sink_rows(request, address, rows, s, e)
             return
         buffer = request.buffers.get(address)
@@ -715,6 +714,12 @@ class Runtime:
             buffer.put(first, rows)
         else:
             buffer.put_at(self.positions[s:e], rows)
+
+    def _into_sink(self, request: _Request, address: Address) -> bool:
+        """Whether ``request``'s rows of ``address`` go into its sink as they are read (a
+        harvest request whose file opens here), not into a buffer: the one rule every read
+        path follows, so collect finds them where they went."""
+        return request.plan.sink is not None and request.sink is not False and self._sinks(address)
 
     def _sinks(self, address: Address) -> bool:
         """Whether this worker writes a harvest request's rows of ``address`` into its sink
