@@ -512,35 +512,37 @@ class Runtime:
         x[s:e] = apply_write(op.op, x[s:e], request.vectors[i], sel, None if base is None else base[s:e],
                              cols=request.columns[i])
 
-    def _together(self, writes: list) -> tuple[torch.Tensor, torch.Tensor, list, list] | None:
+    def _together(self, writes: list) -> tuple[list, list, list] | None:
         """The writes that add a vector at every position of their request (steering's usual
-        op), each the only write of its request here, to be done in one ``index_add_`` over all
-        their rows (the same sums the one-by-one writes make): ``(rows, vectors per row, those
-        writes, the other writes)``; None if fewer than two such writes."""
+        op), each the only write of its request here, to be done as one in-place add per run of
+        consecutive rows (the same sums the one-by-one writes make; ``index_add_`` on a CPU
+        tensor adds row by row, and a write on its own selects its positions every step):
+        ``(runs: [(first row, end row, vectors per row)], those writes, the other writes)``;
+        None if there is no such write."""
         mine = collections.Counter(id(w[2]) for w in writes)
         together, rest = [], []
         for w in writes:
             op = w[2].plan.writes[w[3]]
-            simple = op.op == "add" and op.positions == "all" and op.columns is None and mine[id(w[2])] == 1
+            simple = (op.op == "add" and op.positions == "all" and op.columns is None and not op.per_position
+                      and mine[id(w[2])] == 1)
             (together if simple else rest).append(w)
-        if len(together) < 2:
+        if not together:
             return None
-        rows, vectors, counts = [], [], []
-        for _, _, request, i, s, e in together:
-            rows.extend(range(s, e))
-            vectors.append(request.vectors[i])
-            counts.append(e - s)
-        delta = torch.stack(vectors)
-        if len(rows) != len(together):  # a request with several rows here (a prompt)
-            delta = delta.repeat_interleave(torch.tensor(counts, device=delta.device), dim=0)
-        return torch.tensor(rows, device=delta.device), delta, together, rest
+        spans = sorted(((s, e, request.vectors[i]) for _, _, request, i, s, e in together), key=lambda t: t[0])
+        runs: list[tuple[int, int, list]] = []
+        for s, e, vector in spans:
+            if runs and runs[-1][1] == s:
+                runs[-1] = (runs[-1][0], e, runs[-1][2] + [(e - s, vector)])
+            else:
+                runs.append((s, e, [(e - s, vector)]))
+        return [(s, e, torch.cat([v.expand(n, -1) for n, v in parts])) for s, e, parts in runs], together, rest
 
     def _worked_out(self, work: list, source: str) -> tuple:
         """``work``'s writes and reads of ``source``, in the form ``_apply`` runs them: kept
         while the forward's layout holds (``_lay_out`` starts afresh)."""
         writes = [w for w in work if w[0] == "w" and w[1] == source and w[2].error is None]
         together = None
-        if len(writes) > 1:
+        if writes:
             try:
                 together = self._together(writes)
             except Exception:  # each write on its own, where a failure is its request's
@@ -811,9 +813,10 @@ class Runtime:
         if writes:
             x = x.clone()
             if together is not None:
-                rows, delta, _, rest = together
+                runs, _, rest = together
                 try:
-                    x.index_add_(0, rows, delta.to(x.dtype))
+                    for s, e, delta in runs:
+                        x[s:e] += delta
                     writes = rest
                 except Exception:  # each write on its own below, where a failure is its request's
                     log.exception("interp_engine runtime: adding the steering vectors together failed")

@@ -98,12 +98,18 @@ def steer_rows(x, base, vec, direction, coef, rows, slots, count) -> None:
     listed slot adds (``(s, p) = (1, 0)``): then the rows take ``x + v`` in one ``index_add_``,
     the same sum the general rewrite computes (``1 * x + v - 0 * base - 0 * ...``) bit for bit,
     at a tenth of its small-op calls (the usual steering request, run on every step); 2 when
-    they are also one span, ``count[2]`` on, all from slot ``count[3]``: a slice add."""
+    they are also one span, ``count[2]`` on, all from slot ``count[3]``: a slice add; 3 when they
+    are one span from ``count[2]`` with slots of their own (requests in a batch, each adding its
+    vector): the slots' vectors gathered and added to that slice in one add (``index_add_`` on a
+    CPU tensor adds row by row)."""
     k, add, start, slot = count.tolist()
     if k == 0:
         return
     if add == 2:  # one span of rows, one slot (a request adding one vector): a slice add
         x.narrow(0, start, k).add_(vec[slot])
+        return
+    if add == 3:  # one span of rows, a slot per row
+        x.narrow(0, start, k).add_(vec.index_select(0, slots[:k]))
         return
     index = rows[:k]
     if add:

@@ -293,6 +293,8 @@ class StaticTaps:
         add = all(p[-1] for p in parts)
         if add and len(parts) == 1 and len(parts[0]) == 4:  # one request's span, one vector
             site.count.copy_(torch.tensor([k, 2, parts[0][0], parts[0][2]]))
+        elif add and torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + k)):  # one span
+            site.count.copy_(torch.tensor([k, 3, int(rows[0]), 0]))
         else:
             site.count.copy_(torch.tensor([k, int(add), 0, 0]))
         if self.fixed:

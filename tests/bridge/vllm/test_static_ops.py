@@ -117,6 +117,17 @@ def test_concurrent_rows_steer_and_capture_exactly_what_each_request_asked(devic
     assert torch.equal(out[2:5], x[2:5])
     taps.drain(_each(lambda *_: None))
     taps.forget(d)
+    # two requests side by side, each adding its own vector: the gathered vectors added to their
+    # one span of rows at once, exactly x + each one's v
+    f = _request([], [_op(POST0, "add")], [-2 * v.to(device)], prompt_len=1)
+    taps.admit(f)
+    taps.fill([(a, 1, 3), (f, 3, 6)], torch.tensor([0, 6, 7, 0, 1, 2]))  # row 0: padding
+    assert fixed or taps.sites[POST0].count.tolist()[:3] == [5, 3, 1]
+    out = _run(taps, x[:6], None, fixed)
+    assert torch.equal(out[1:3], x[1:3] + v.to(device)) and torch.equal(out[3:6], x[3:6] - 2 * v.to(device))
+    assert torch.equal(out[0], x[0])
+    taps.drain(_each(lambda *_: None))
+    taps.forget(f)
     taps.fill([], None)
     assert taps.idle and all(int(t.count[0]) == 0 for t in taps.taps.values())
     assert int(taps.sites[POST0].count[0]) == 0
