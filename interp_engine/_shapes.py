@@ -108,7 +108,14 @@ def entry(fn: Callable | None = None, *, model: str = "model", name: str | None 
     label = name or fn.__qualname__.lstrip("_")
 
     def check(args: tuple, kwargs: dict) -> None:
+        if not checked:
+            return
         bound = sig.bind(*args, **kwargs)
+        # lists, batches...: the function checks those itself, by name
+        todo = [(param, hint, bound.arguments[param]) for param, hint, tensor_only in checked
+                if param in bound.arguments and (tensor_only or isinstance(bound.arguments[param], torch.Tensor))]
+        if not todo:
+            return  # no tensor to check: no dimension to bind either
         owner = bound.arguments.get(model)
         graph = getattr(owner, "graph", None)
         sizes = model_dims(graph) if graph is not None else {}
@@ -116,12 +123,7 @@ def entry(fn: Callable | None = None, *, model: str = "model", name: str | None 
             for dim in used:
                 if dim in sizes:
                     isinstance(_probe(sizes[dim]), _probe_hint(dim))
-            for param, hint, tensor_only in checked:
-                if param not in bound.arguments:
-                    continue
-                value = bound.arguments[param]
-                if not tensor_only and not isinstance(value, torch.Tensor):
-                    continue  # lists, batches...: the function checks those itself, by name
+            for param, hint, value in todo:
                 if not is_bearable(value, hint):
                     bound_dims = ", ".join(f"{d}={sizes[d]}" for d in used if d in sizes)
                     where = f" with {bound_dims} on this {graph.arch} model" if bound_dims else ""
