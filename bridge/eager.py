@@ -416,14 +416,14 @@ class EagerBackend:
 
     async def agenerate(self, prompt: list[int] | None, config: SamplingConfig, plan: Plan,
                         capture: _Captures | None = None, embeds: torch.Tensor | None = None,
-                        streaming: bool = True) -> AsyncIterator[RawStep]:
+                        streaming: bool = True) -> AsyncIterator[list[RawStep]]:
         """One forward per step, yielding to the event loop between steps so concurrent
         requests interleave; each forward holds its own hooks only while it runs. Each step is
-        yielded as it is made, ``streaming`` or not."""
+        yielded as it is made (a list of one), ``streaming`` or not."""
         steps = self.generate(prompt, config, plan, capture, embeds=embeds)
         try:
             for raw in steps:
-                yield raw
+                yield [raw]
                 await asyncio.sleep(0)
         finally:
             steps.close()

@@ -324,7 +324,9 @@ def capture_generation(model: Model, tokens: Tokens, points: Sequence[AddressLik
 
 async def _agen_steps(model: Model, prompt: list[int] | None, config: SamplingConfig, plan: Plan,
                       embeds: torch.Tensor | None = None, capture: Any = None, streaming: bool = True
-                      ) -> AsyncIterator[tuple[GenStep, str | None]]:
+                      ) -> AsyncIterator[list[tuple[GenStep, str | None]]]:
+    """The request's generated tokens as the backend hands them over: a list per engine output
+    (one token per step when streaming; every token at once at the end when not)."""
     _refuse(model, plan)
     # streaming: each token's text as it comes; else (a whole result, whose texts are only
     # ever joined) the last token carries the text of them all, decoded once
@@ -333,15 +335,15 @@ async def _agen_steps(model: Model, prompt: list[int] | None, config: SamplingCo
     # aclosing: a consumer that stops early (aclose, an exception, a cancel) closes the
     # backend's generator at once, so the request is aborted now, not when it is collected
     async with contextlib.aclosing(model.backend.agenerate(prompt, config, plan, capture, embeds=embeds,
-                                                                    streaming=streaming)) as raws:
-        async for raw in raws:
-            last = raw.finish_reason is not None
+                                                                    streaming=streaming)) as chunks:
+        async for raws in chunks:
             if deltas is not None:
-                text = deltas.push(raw.token_id, last)
-            else:
-                ids.append(raw.token_id)
-                text = model.tok.to_string(ids) if last else ""
-            yield GenStep(raw.token_id, text, raw.logprobs, raw.logits, raw.logprob), raw.finish_reason
+                yield [(GenStep(raw.token_id, deltas.push(raw.token_id, raw.finish_reason is not None),
+                                raw.logprobs, raw.logits, raw.logprob), raw.finish_reason) for raw in raws]
+                continue
+            ids.extend(raw.token_id for raw in raws)
+            yield [(GenStep(raw.token_id, "" if raw.finish_reason is None else model.tok.to_string(ids),
+                            raw.logprobs, raw.logits, raw.logprob), raw.finish_reason) for raw in raws]
 
 
 def _request(model: Model, token_ids: Tokens, steer_spec: SteerSpec | None, **sampling):
@@ -363,8 +365,8 @@ def _generate_text(self: Model, token_ids: Tokens, max_tokens: int = 16,
                                     stop_at_eos=stop_at_eos, seed=seed)
 
     async def run() -> str:
-        async with contextlib.aclosing(_agen_steps(self, prompt, config, plan, streaming=False)) as steps:
-            return "".join([step.token_str async for step, _ in steps])
+        async with contextlib.aclosing(_agen_steps(self, prompt, config, plan, streaming=False)) as chunks:
+            return "".join([step.token_str async for chunk in chunks for step, _ in chunk])
     return run()
 
 
@@ -379,20 +381,22 @@ def _generate_stream(self: Model, token_ids: Tokens, max_tokens: int = 16,
                                     stop_at_eos=stop_at_eos, seed=seed)
 
     async def run() -> AsyncIterator[str]:
-        async with contextlib.aclosing(_agen_steps(self, prompt, config, plan)) as steps:
-            async for step, _ in steps:
-                if step.token_str:
-                    yield step.token_str
+        async with contextlib.aclosing(_agen_steps(self, prompt, config, plan)) as chunks:
+            async for chunk in chunks:
+                for step, _ in chunk:
+                    if step.token_str:
+                        yield step.token_str
     return run()
 
 
 async def _collect(model: Model, prompt, config, plan, embeds=None, capture=None):
     steps, finish = [], "length"
     async with contextlib.aclosing(_agen_steps(model, prompt, config, plan, embeds=embeds, capture=capture,
-                                               streaming=False)) as items:
-        async for step, reason in items:
-            steps.append(step)
-            finish = reason or finish
+                                               streaming=False)) as chunks:
+        async for chunk in chunks:
+            for step, reason in chunk:
+                steps.append(step)
+                finish = reason or finish
     return steps, finish
 
 

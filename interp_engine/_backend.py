@@ -8,8 +8,7 @@ engines is answered by these properties, before any forward.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, AsyncIterator, Callable, Iterator, Protocol, runtime_checkable
+from typing import Any, AsyncIterator, Callable, Iterator, NamedTuple, Protocol, runtime_checkable
 
 import torch
 
@@ -23,9 +22,9 @@ from ._tokens import TokenBatch
 __all__ = ["Backend", "RawStep"]
 
 
-@dataclass(frozen=True, eq=False)
-class RawStep:
-    """One generated token as a backend reports it."""
+class RawStep(NamedTuple):
+    """One generated token as a backend reports it (a named tuple: a backend makes one per
+    token of every request, and a frozen dataclass costs over twice as much to build)."""
 
     token_id: int
     logprobs: list[dict] | None
@@ -70,9 +69,10 @@ class Backend(Protocol):
 
     def agenerate(self, prompt: list[int] | None, config: SamplingConfig, plan: Plan,
                   capture: Any = None, embeds: torch.Tensor | None = None,
-                  streaming: bool = True) -> AsyncIterator[RawStep]:
-        """``streaming=False``: the caller wants only the whole result, so the steps may all
-        arrive when the request ends (vLLM then sends one output per request, not per step)."""
+                  streaming: bool = True) -> AsyncIterator[list[RawStep]]:
+        """The generated tokens in lists, one per engine output, none empty. ``streaming=False``:
+        the caller wants only the whole result, so the steps may all arrive in one list when the
+        request ends (vLLM then sends one output per request, not per step)."""
 
     def assemble(self, plan: Plan, capture: Any) -> dict[Address, torch.Tensor]:
         """A finished request's captures, ``[1, pos, ...]`` per address read."""

@@ -21,6 +21,7 @@ import itertools
 import os
 import queue
 import threading
+import time
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Iterator
@@ -93,6 +94,9 @@ def _cpu_binding(world: int) -> str | None:
 
 
 # ---- requests -------------------------------------------------------------------------
+
+IDLE, STEPPED, HANDED = 0, 1, 2  # what one pump did (VllmBackend._pump)
+_PUMP_TURN = 0.01  # seconds an in-process engine steps on before its event loop gets a turn
 
 _SETTLE_MAX = 256  # harvest windows answered for in one rpc, at most (workers keep 4096 finished)
 
@@ -545,8 +549,9 @@ class VllmBackend:
                 self._watchdog.start()
             self._wake.notify_all()
 
-    def _pump(self) -> bool:
-        """One engine step, each output handed to its request. False: nothing was in flight.
+    def _pump(self) -> int:
+        """One engine step, each output handed to its request: ``IDLE`` (0, false) if nothing
+        was in flight, ``HANDED`` if some request's sink got something, else ``STEPPED``.
 
         A multiprocess engine is pumped by the driver thread (the model runs in the worker
         processes; this thread only moves outputs). An in-process engine runs the model in the
@@ -556,18 +561,21 @@ class VllmBackend:
             llm = self._llm
             if llm is None:
                 return False
-            self._admit(llm)
+            if self._incoming:
+                self._admit(llm)
             if not llm.llm_engine.has_unfinished_requests():
                 if self._held:  # those it waited for were aborted: collect now
                     held, self._held = self._held, []
                     self._settle_and_deliver(llm, held)
-                    return True
-                return False
+                    return HANDED
+                return IDLE
             try:
                 outputs = llm.llm_engine.step()
             except BaseException as exc:  # a failed step fails every waiting request, loudly
                 self._fail_all(exc)
-                return True
+                return HANDED
+            if not outputs and not self._held:
+                return STEPPED  # (non-streaming requests get nothing until they end)
             delivered, ended = [], []  # ended: (request, its last output), to collect first
             for out in outputs:
                 request = self._requests.get(out.request_id)
@@ -592,8 +600,23 @@ class VllmBackend:
                 # others end at the next step (a gathered batch the engine split in two, requests
                 # a step apart): their collect rpc takes these too, one step later, instead of two
                 self._held, ended = ended, []
+            if not (held or ended or delivered):
+                return STEPPED
             self._settle_and_deliver(llm, held + ended, delivered)
-        return True
+        return HANDED
+
+    def _pump_on(self) -> None:
+        """Steps of an in-process engine on an event loop's thread, without a trip through the
+        loop after a step that handed nothing to anyone (requests that want only their whole
+        result get nothing until they end): nothing on the loop waits for such a step, and the
+        trip costs about as much per step as the pump's own bookkeeping. The loop gets its turn
+        after an output, or once ``_PUMP_TURN`` seconds have gone by: new requests, cancels and
+        other tasks wait no longer than that (plus a step)."""
+        if self._pump() != STEPPED:
+            return
+        until = time.perf_counter() + _PUMP_TURN
+        while self._pump() == STEPPED and time.perf_counter() < until:
+            pass
 
     def _collects_next_step(self) -> bool:
         """Whether a request in the engine whose answer is collected ends at the next step."""
@@ -800,7 +823,7 @@ class VllmBackend:
 
     async def agenerate(self, prompt: list[int] | None, config: SamplingConfig, plan: Plan,
                         capture: _Capture | None = None, embeds: torch.Tensor | None = None,
-                        streaming: bool = True) -> AsyncIterator[RawStep]:
+                        streaming: bool = True) -> AsyncIterator[list[RawStep]]:
         """Asynchronous generation on any event loop: concurrent requests share engine steps."""
         loop = asyncio.get_running_loop()
         outputs: asyncio.Queue = asyncio.Queue()
@@ -813,7 +836,7 @@ class VllmBackend:
                         # yield first: the requests gathered with this one queue theirs, and the
                         # kick releases them all, before this loop's thread steps the engine
                         await asyncio.sleep(0)
-                        self._pump()
+                        self._pump_on()
                 out = await outputs.get()
                 if isinstance(out, _Refused):
                     raise out.exc
@@ -826,8 +849,9 @@ class VllmBackend:
                         await loop.run_in_executor(None, self._settle, request)
                     else:
                         self._settle(request)
-                for raw in self._raw_steps(out, config.n_logprobs):
-                    yield raw
+                raws = list(self._raw_steps(out, config.n_logprobs))
+                if raws:
+                    yield raws
                 if out.finished:
                     return
         finally:

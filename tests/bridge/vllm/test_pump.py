@@ -7,8 +7,10 @@ waits more than one step, nor for a request that was aborted."""
 from __future__ import annotations
 
 import threading
+import time
 from types import SimpleNamespace
 
+from bridge.vllm import client
 from bridge.vllm.client import VllmBackend, _Request
 from interp_engine import Address
 from interp_engine._plan import Plan
@@ -98,3 +100,43 @@ def test_a_request_waits_one_step_at_most_and_never_for_an_aborted_one():
     backend._abort(b)  # what a was waiting for is gone: a is collected at the next pump
     assert backend._pump() and ("a", True) in seen and a.settled == [{"found": True}]
     assert ("interp_collect_many", ["a"]) in engine.rpcs and not backend._held
+
+
+class _Quiet(_Engine):
+    """Requests that want only their whole result: steps hand nothing over until the one that
+    finishes them; each step takes ``seconds``."""
+
+    def __init__(self, n_steps: int, seconds: float):
+        super().__init__([set()] * (n_steps - 1) + [None])
+        self.seconds, self.steps = seconds, 0
+
+    def step(self):
+        time.sleep(self.seconds)
+        self.steps += 1
+        if self.finishes.pop(0) is not None:
+            return []
+        outs = [SimpleNamespace(request_id=i, finished=True, outputs=[SimpleNamespace(token_ids=[7] * 3)])
+                for i in sorted(self.live)]
+        self.live.clear()
+        return outs
+
+
+def test_an_in_process_engine_steps_on_between_its_loops_turns_but_not_for_long(monkeypatch):
+    """In-process, a waiting coroutine steps on without a trip through its event loop after steps that
+    hand nothing over, but gives the loop a turn once ``_PUMP_TURN`` has gone by (so new requests,
+    cancels and other tasks wait no longer than that), and at once when a step hands something over."""
+    monkeypatch.setattr(client, "_PUMP_TURN", 0.02)
+    engine = _Quiet(200, 0.002)
+    backend, seen = _backend(engine), []
+    backend._in_process = True
+    request = _Request("a", "a", Plan(), 3, None, lambda out: seen.append(out.finished), max_tokens=600)
+    backend._requests["a"] = request
+    engine.add("a")
+    backend._pump_on()
+    assert 2 < engine.steps < 50 and not seen  # stepped on, then gave the loop its turn
+    while not seen:
+        before = engine.steps
+        backend._pump_on()
+        assert engine.steps - before < 50
+    assert engine.steps == 200 and seen == [True]  # the handing step ended its turn
+    assert backend._pump_on() is None and engine.steps == 200  # nothing in flight: no step
