@@ -157,29 +157,44 @@ class WirePlan:
         return not self.reads and not self.writes
 
 
+_WRITES: dict[int, tuple[Any, dict]] = {}  # id(op) -> (the op, kept alive so its id is not reused; its entry)
+_WRITES_MAX = 256
+
+
+def _wire_write(op) -> dict:
+    """A steering op as plain data (a copy of its own each time: a caller may edit it): encoded
+    once per op object, since ops are immutable and requests steering with one SteerSpec share
+    its ops."""
+    hit = _WRITES.get(id(op))
+    if hit is not None and hit[0] is op:
+        return dict(hit[1])
+    if op.batched:
+        raise PlanError(f"interp_engine plan: patch at {op.address} has a source of several rows; a vLLM "
+                        "request is one prompt: patch from a one-row source")
+    vec = op.flat_vector  # a copy; the effective vector is computed in the worker
+    entry = {"at": str(op.address), "op": op.op, "scale": op.scale,
+             "positions": op.positions if isinstance(op.positions, str) else list(op.positions)}
+    if vec is not None:  # float64 bytes as one string: exact, and cheap for vLLM to copy
+        entry["vector_b64"] = base64.b64encode(vec.to(torch.float64).contiguous().numpy().tobytes()).decode()
+        entry["shape"] = list(vec.shape)
+        entry["dtype"] = str(op.dtype).replace("torch.", "")
+    if op.columns is not None:
+        entry["columns"] = list(op.columns)
+    if op.experts is not None:
+        entry["experts"] = list(op.experts)
+    if len(_WRITES) >= _WRITES_MAX:
+        _WRITES.pop(next(iter(_WRITES)), None)
+    _WRITES[id(op)] = (op, entry)
+    return dict(entry)
+
+
 def plan_to_wire(plan: Plan, rid: str, capture_path: str | None = None, model: str | None = None,
                  sink: Mapping | None = None, board: Mapping | None = None) -> dict:
     """A validated Plan as plain data for ``SamplingParams(extra_args={KEY: ...})``. ``sink``:
     ``{"path", "offsets": {address: byte offset}, "positions"}`` (see WireSink); ``board``:
     ``{"path", "at"}``, the status bytes of a plan that only writes or writes its rows into a
     sink (board.py)."""
-    writes = []
-    for op in plan.writes:
-        if op.batched:
-            raise PlanError(f"interp_engine plan: patch at {op.address} has a source of several rows; a vLLM "
-                            "request is one prompt: patch from a one-row source")
-        vec = op.flat_vector  # a copy; the effective vector is computed in the worker
-        entry = {"at": str(op.address), "op": op.op, "scale": op.scale,
-                 "positions": op.positions if isinstance(op.positions, str) else list(op.positions)}
-        if vec is not None:  # float64 bytes as one string: exact, and cheap for vLLM to copy
-            entry["vector_b64"] = base64.b64encode(vec.to(torch.float64).contiguous().numpy().tobytes()).decode()
-            entry["shape"] = list(vec.shape)
-            entry["dtype"] = str(op.dtype).replace("torch.", "")
-        if op.columns is not None:
-            entry["columns"] = list(op.columns)
-        if op.experts is not None:
-            entry["experts"] = list(op.experts)
-        writes.append(entry)
+    writes = [_wire_write(op) for op in plan.writes]
     data = {"v": VERSION, "rid": rid, "reads": [str(a) for a in plan.reads], "writes": writes}
     if model:
         data["model"] = model  # the graph's fingerprint, for admission checks

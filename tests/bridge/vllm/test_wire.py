@@ -238,3 +238,17 @@ def test_the_validator_passes_plans_its_process_issued_once_and_parses_every_oth
     validator.PlanValidator.validate_params(params)  # issued here: passed as built
     with pytest.raises(wire.PlanError, match="unknown op 'multiply'"):
         validator.PlanValidator.validate_params(params)  # once only
+
+
+def test_a_steering_op_is_encoded_once_and_each_request_gets_its_own_copy(graph):
+    """Requests steering with one SteerSpec share its ops: the client encodes each op once, but
+    hands every request an entry of its own, and never one of another op."""
+    wire = _wire()
+    plan = steer_plan(graph, SteerSpec.add("resid_post.1", torch.randn(D)))
+    a, b = wire.plan_to_wire(plan, "a"), wire.plan_to_wire(plan, "b")
+    assert a["writes"][0] == b["writes"][0] and a["writes"][0] is not b["writes"][0]
+    a["writes"][0]["op"] = "multiply"
+    assert wire.plan_to_wire(plan, "c")["writes"][0]["op"] == "add"
+    other = steer_plan(graph, SteerSpec.add("resid_post.1", torch.randn(D)))  # same site, another vector
+    got = wire.plan_from_args({wire.KEY: wire.plan_to_wire(other, "d")}, graph=graph).writes[0]
+    assert torch.equal(got.vector, other.writes[0].flat_vector.to(got.vector.dtype))
