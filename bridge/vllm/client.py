@@ -560,7 +560,7 @@ class VllmBackend:
         with self._lock:
             llm = self._llm
             if llm is None:
-                return False
+                return IDLE
             if self._incoming:
                 self._admit(llm)
             if not llm.llm_engine.has_unfinished_requests():

@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from interp_engine._address import Address
-from interp_engine._ops import apply_write, expert_factor, route, select_rows, stored, weight_experts
+from interp_engine._ops import EVERY_ROW, apply_write, expert_factor, route, select_rows, stored, weight_experts
 from specs import ArchSpec, VllmTap
 
 from .board import FAILED, OK, BoardFiles
@@ -514,7 +514,7 @@ class Runtime:
 
     def _together(self, writes: list) -> tuple[list, list, list] | None:
         """The writes that add a vector at every position of their request (steering's usual
-        op), each the only write of its request here, to be done as one in-place add per run of
+        op), each the only write of its request here, to be done as one add per run of
         consecutive rows (the same sums the one-by-one writes make; ``index_add_`` on a CPU
         tensor adds row by row, and a write on its own selects its positions every step):
         ``(runs: [(first row, end row, vectors per row)], those writes, the other writes)``;
@@ -811,15 +811,16 @@ class Runtime:
             worked = self._worked[key] = self._worked_out(work, source)
         writes, together, reads, (lo, hi), decode = worked
         if writes:
-            x = x.clone()
+            given, x = x, x.clone()
             if together is not None:
                 runs, _, rest = together
                 try:
-                    for s, e, delta in runs:
-                        x[s:e] += delta
+                    for s, e, delta in runs:  # the one add math (interp_engine._ops), on each run's rows
+                        x[s:e] = apply_write("add", x[s:e], delta, EVERY_ROW)
                     writes = rest
                 except Exception:  # each write on its own below, where a failure is its request's
                     log.exception("interp_engine runtime: adding the steering vectors together failed")
+                    x = given.clone()  # none of those adds, not some
             for _, _, request, i, s, e in writes:
                 self._guard(request, self._write, request, i, x, s, e, base)
         if reads:
