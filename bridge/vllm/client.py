@@ -574,8 +574,6 @@ class VllmBackend:
             except BaseException as exc:  # a failed step fails every waiting request, loudly
                 self._fail_all(exc)
                 return HANDED
-            if not outputs and not self._held:
-                return STEPPED  # (non-streaming requests get nothing until they end)
             delivered, ended = [], []  # ended: (request, its last output), to collect first
             for out in outputs:
                 request = self._requests.get(out.request_id)
@@ -601,7 +599,7 @@ class VllmBackend:
                 # a step apart): their collect rpc takes these too, one step later, instead of two
                 self._held, ended = ended, []
             if not (held or ended or delivered):
-                return STEPPED
+                return STEPPED  # (non-streaming requests get nothing until they end)
             self._settle_and_deliver(llm, held + ended, delivered)
         return HANDED
 
