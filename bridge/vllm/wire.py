@@ -339,6 +339,30 @@ def _write_once(entry, graph, registry: VectorRegistry, memo: dict | None) -> Wi
     return op
 
 
+def _reads(values, graph) -> tuple[Address, ...]:
+    addresses = []
+    for value in values:
+        address = _address(value, "capture point")
+        _check_graph(address, graph, writing=False)
+        addresses.append(address)
+    return tuple(dict.fromkeys(addresses))
+
+
+def _reads_once(values, graph, memo: dict | None) -> tuple[Address, ...]:
+    """``_reads(values)``, or what the same list of point strings decoded into before (every
+    request of a capture loop sends the same list). Only strings are kept, and only valid lists."""
+    if memo is None or not values or not all(type(v) is str for v in values):
+        return _reads(values, graph)
+    key = ("reads", *values)  # a write's key is a tuple of pairs: never this
+    reads = memo.get(key)
+    if reads is None:
+        reads = _reads(values, graph)
+        if len(memo) >= _MEMO_MAX:
+            memo.clear()
+        memo[key] = reads
+    return reads
+
+
 def _experts(value, address: Address, op: str, columns, graph) -> tuple[int, ...] | None:
     """An ``experts`` list: zero or scale at an MoE layer's mlp_out, experts within the router."""
     if value is None:
@@ -431,15 +455,10 @@ def plan_from_args(extra_args: Mapping | None, graph=None, registry: VectorRegis
             raise _fail("interp_capture needs interp_capture_path (interp-engine serve sets it and returns it)")
     else:
         return None
-    addresses = []
-    for value in reads:
-        address = _address(value, "capture point")
-        _check_graph(address, graph, writing=False)
-        addresses.append(address)
+    reads = _reads_once(reads, graph, memo)
     ops = tuple(_write_once(entry, graph, registry, memo) for entry in writes)
     if capture_path is not None and not isinstance(capture_path, str):
         raise _fail("capture_path must be a string")
-    reads = tuple(dict.fromkeys(addresses))
     return WirePlan(plan_rid, reads, ops, capture_path, None if sink is None else _sink(sink, reads),
                     None if board is None else _board(board, reads, sink))
 

@@ -131,6 +131,31 @@ def test_capture_plan_forms(graph):
     assert plan.writes == ()
 
 
+def test_capture_plan_is_checked_once_per_graph_and_points(graph):
+    # a loop capturing the same points gets the same checked plan back; another graph (fewer
+    # layers) or other points are checked afresh, never served a plan checked elsewhere
+    first = capture_plan(graph, ["resid_post.2", "mlp_out.0"])
+    assert capture_plan(graph, ["resid_post.2", "mlp_out.0"]) is first
+    assert capture_plan(graph, ("resid_post.2", "mlp_out.0")) is first
+    assert capture_plan(graph, ["mlp_out.0", "resid_post.2"]).reads == first.reads[::-1]
+    config = tiny_config("qwen3")
+    config.num_hidden_layers = 2
+    small = spec_for_config(config).graph_from_config(config)
+    with pytest.raises(ValueError, match=r"resid_post\.2"):
+        capture_plan(small, ["resid_post.2", "mlp_out.0"])
+    assert capture_plan(small, ["resid_post.1"]).reads == (Address("resid_post", 1),)
+    with pytest.raises(ValueError, match=r"resid_post\.2"):  # a refused list is never remembered
+        capture_plan(small, ["resid_post.2", "mlp_out.0"])
+
+
+def test_a_plan_joined_with_nothing_is_itself(graph):
+    plan = capture_plan(graph, ["resid_post.1"])
+    steer = steer_plan(graph, SteerSpec.add("resid_post.1", torch.ones(D)))
+    assert plan | Plan() is plan and Plan() | steer is steer
+    both = plan | steer
+    assert both.reads == plan.reads and both.writes == steer.writes
+
+
 def test_capture_plan_checks_the_graph(graph):
     with pytest.raises(ValueError, match=r"resid_post\.3.*0\.\.2"):
         capture_plan(graph, ["resid_post.0", "resid_post.3"])

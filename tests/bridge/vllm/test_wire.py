@@ -190,6 +190,28 @@ def test_a_write_many_requests_send_is_decoded_once_and_only_when_it_is_the_same
         wire.plan_from_args({wire.KEY: dict(bad, writes=[dict(bad["writes"][0], scale=True)])}, graph=graph, memo=memo)
 
 
+def test_the_points_many_requests_read_are_decoded_once(graph):
+    wire = _wire()
+    memo: dict = {}
+
+    def reads(points, rid):
+        data = json.loads(json.dumps(wire.plan_to_wire(capture_plan(graph, points), rid)))
+        return wire.plan_from_args({wire.KEY: data}, graph=graph, memo=memo).reads
+
+    first = reads(["resid_post.1", "mlp_out.0"], "a")
+    assert first == (Address("resid_post", 1), Address("mlp_out", 0))
+    assert reads(["resid_post.1", "mlp_out.0"], "b") is first and len(memo) == 1
+    assert reads(["mlp_out.0"], "c") == (Address("mlp_out", 0),) and len(memo) == 2
+    # a point the graph lacks is refused every time, never remembered
+    bad = dict(wire.plan_to_wire(capture_plan(graph, ["resid_post.1"]), "d"), reads=["resid_post.9"])
+    for _ in range(2):
+        with pytest.raises(wire.PlanError, match=r"resid_post\.9"):
+            wire.plan_from_args({wire.KEY: bad}, graph=graph, memo=memo)
+    assert len(memo) == 2
+    # nor does a list decoded without a graph stand in for one checked against it
+    assert wire.plan_from_args({wire.KEY: bad}, graph=None, memo={}).reads == (Address("resid_post", 9),)
+
+
 def test_server_style_flat_arguments(graph, tmp_path):
     wire = _wire()
     v = torch.randn(D)
