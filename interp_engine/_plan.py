@@ -558,7 +558,20 @@ def steer_plan(graph: ModelGraph, spec: SteerSpec | None, dtype: torch.dtype | N
         spec = spec.steering
     if not isinstance(spec, SteerSpec):
         raise TypeError(f"expected a SteerSpec, got {type(spec).__name__}: build one with SteerSpec.add(...)")
-    return Plan(writes=tuple(check_write(graph, op, dtype) for op in spec.ops))
+    # a spec is immutable: requests steering with the same one (a loop, a batch of requests)
+    # share its checked plan, checked once per graph and dtype
+    key = (id(graph), id(spec), dtype)
+    hit = _STEER_PLANS.get(key)
+    if hit is not None and hit[0] is graph and hit[1] is spec:
+        return hit[2]
+    plan = Plan(writes=tuple(check_write(graph, op, dtype) for op in spec.ops))
+    if len(_STEER_PLANS) >= 256:
+        _STEER_PLANS.clear()
+    _STEER_PLANS[key] = (graph, spec, plan)  # both held: their ids are never another's
+    return plan
+
+
+_STEER_PLANS: dict[tuple, tuple[ModelGraph, SteerSpec, Plan]] = {}  # steer_plan's checked plans
 
 
 def check_write(graph: ModelGraph, op: SteerOp, dtype: torch.dtype | None = None) -> SteerOp:

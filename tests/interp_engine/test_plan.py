@@ -163,6 +163,22 @@ def test_capture_plan_checks_the_graph(graph):
         capture_plan(graph, ["resid_streams.0"])
 
 
+def test_steer_plan_is_checked_once_per_spec_graph_and_dtype(graph, ds_graph):
+    spec = SteerSpec.add("resid_post.1", torch.ones(D))
+    first = steer_plan(graph, spec, torch.float32)
+    assert steer_plan(graph, spec, torch.float32) is first
+    # the same spec against another dtype, or a graph where its site is not a steering site,
+    # is checked afresh (and refused there), however often it passed here
+    with pytest.raises(TypeError, match="dtype"):
+        steer_plan(graph, spec, torch.bfloat16)
+    with pytest.raises(ValueError, match="resid_post"):
+        steer_plan(ds_graph, SteerSpec.add("resid_post.0", torch.ones(D)))
+    wide = SteerSpec.add("resid_post.0", torch.ones(D))
+    assert steer_plan(graph, wide).writes == wide.ops
+    with pytest.raises(ValueError, match="resid_post"):
+        steer_plan(ds_graph, wide)
+
+
 def test_steer_plan_checks(graph, ds_graph):
     ok = SteerSpec.add("resid_post.1", torch.randn(D))
     assert steer_plan(graph, ok, torch.float32).writes == ok.ops
