@@ -170,15 +170,22 @@ class StaticTaps:
                                        "(raise static_slots when loading the model)")
                 slots = [site.free.pop() for _ in range(vector.shape[0])]
                 held.append((site, slots))
-                index = torch.tensor(slots, device=self.device)
-                if op.op == "ablate":
-                    site.vec[index] = 0
-                    site.direction[index] = vector.to(self.dtype)
-                else:
-                    site.vec[index] = vector.to(self.dtype)
-                    site.direction[index] = 0
                 coef = affine(op.op, op.scale)
-                site.coef[index] = torch.tensor(coef, dtype=self.dtype, device=self.device)
+                if len(slots) == 1:  # one vector (the usual op): its slot's rows written in place
+                    j = slots[0]
+                    keep, clear = (site.direction, site.vec) if op.op == "ablate" else (site.vec, site.direction)
+                    keep[j].copy_(vector[0])
+                    clear[j].zero_()
+                    site.coef[j, 0], site.coef[j, 1] = coef
+                else:
+                    index = torch.tensor(slots, device=self.device)
+                    if op.op == "ablate":
+                        site.vec[index] = 0
+                        site.direction[index] = vector.to(self.dtype)
+                    else:
+                        site.vec[index] = vector.to(self.dtype)
+                        site.direction[index] = 0
+                    site.coef[index] = torch.tensor(coef, dtype=self.dtype, device=self.device)
                 adds.append(coef == (1.0, 0.0))  # x + v: the op's one-call path (static_ops)
         finally:
             self.owned[id(request)] = held
