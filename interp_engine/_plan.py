@@ -14,7 +14,7 @@ import hashlib
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Iterable, Sequence, Union
+from typing import Callable, Iterable, Sequence, Union
 
 import torch
 from jaxtyping import Float
@@ -519,20 +519,28 @@ def capture_plan(graph: ModelGraph, points: Sequence[AddressLike] | AddressLike)
                         f"{type(points).__name__}")
     if isinstance(points, (list, tuple)) and all(type(p) is str or type(p) is Address for p in points):
         # a loop capturing the same points request after request checks them once per graph
-        key = (id(graph), *points)
-        hit = _CAPTURE_PLANS.get(key)
-        if hit is not None and hit[0] is graph:
-            return hit[1]
-        plan = Plan(reads=tuple(dict.fromkeys(graph.check_address(p) for p in points)))
-        if len(_CAPTURE_PLANS) >= 256:
-            _CAPTURE_PLANS.clear()
-        _CAPTURE_PLANS[key] = (graph, plan)  # the graph is held: its id is never another's
-        return plan
+        return _checked_once((graph,), tuple(points),
+                             lambda: Plan(reads=tuple(dict.fromkeys(graph.check_address(p) for p in points))))
     addresses = tuple(dict.fromkeys(graph.check_address(p) for p in points))  # type: ignore[union-attr]
     return Plan(reads=addresses)
 
 
-_CAPTURE_PLANS: dict[tuple, tuple[ModelGraph, Plan]] = {}  # capture_plan's checked plans, by graph and points
+_CHECKED: dict[tuple, tuple[tuple, Plan]] = {}  # capture_plan's and steer_plan's checked plans
+
+
+def _checked_once(held: tuple, key: tuple, check: Callable[[], Plan]) -> Plan:
+    """``check()``, or the plan it returned before for the same ``held`` objects (compared by
+    identity: each is kept with its plan, so its id is never another's) and ``key``. A check
+    that raises keeps nothing."""
+    full = (tuple(id(o) for o in held), key)
+    hit = _CHECKED.get(full)
+    if hit is not None and all(a is b for a, b in zip(hit[0], held)):
+        return hit[1]
+    plan = check()
+    if len(_CHECKED) >= 256:
+        _CHECKED.clear()
+    _CHECKED[full] = (held, plan)
+    return plan
 
 
 def point_width(graph: ModelGraph, name: str) -> int:
@@ -560,18 +568,8 @@ def steer_plan(graph: ModelGraph, spec: SteerSpec | None, dtype: torch.dtype | N
         raise TypeError(f"expected a SteerSpec, got {type(spec).__name__}: build one with SteerSpec.add(...)")
     # a spec is immutable: requests steering with the same one (a loop, a batch of requests)
     # share its checked plan, checked once per graph and dtype
-    key = (id(graph), id(spec), dtype)
-    hit = _STEER_PLANS.get(key)
-    if hit is not None and hit[0] is graph and hit[1] is spec:
-        return hit[2]
-    plan = Plan(writes=tuple(check_write(graph, op, dtype) for op in spec.ops))
-    if len(_STEER_PLANS) >= 256:
-        _STEER_PLANS.clear()
-    _STEER_PLANS[key] = (graph, spec, plan)  # both held: their ids are never another's
-    return plan
-
-
-_STEER_PLANS: dict[tuple, tuple[ModelGraph, SteerSpec, Plan]] = {}  # steer_plan's checked plans
+    return _checked_once((graph, spec), ("steer", dtype),
+                         lambda: Plan(writes=tuple(check_write(graph, op, dtype) for op in spec.ops)))
 
 
 def check_write(graph: ModelGraph, op: SteerOp, dtype: torch.dtype | None = None) -> SteerOp:

@@ -27,7 +27,7 @@ import numbers
 import os
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 
@@ -330,13 +330,7 @@ def _write_once(entry, graph, registry: VectorRegistry, memo: dict | None) -> Wi
         hash(key)
     except TypeError:  # nested lists (a per-position vector sent as floats): decode it afresh
         return _write(entry, graph, registry)
-    op = memo.get(key)
-    if op is None:
-        op = _write(entry, graph, registry)
-        if len(memo) >= _MEMO_MAX:
-            memo.clear()
-        memo[key] = op
-    return op
+    return _memo_get(memo, key, lambda: _write(entry, graph, registry))
 
 
 def _reads(values, graph) -> tuple[Address, ...]:
@@ -353,14 +347,18 @@ def _reads_once(values, graph, memo: dict | None) -> tuple[Address, ...]:
     request of a capture loop sends the same list). Only strings are kept, and only valid lists."""
     if memo is None or not values or not all(type(v) is str for v in values):
         return _reads(values, graph)
-    key = ("reads", *values)  # a write's key is a tuple of pairs: never this
-    reads = memo.get(key)
-    if reads is None:
-        reads = _reads(values, graph)
+    return _memo_get(memo, ("reads", *values), lambda: _reads(values, graph))  # a write's key: pairs, never this
+
+
+def _memo_get(memo: dict, key: tuple, decode: Callable[[], Any]) -> Any:
+    """``memo[key]``, decoded (and kept) if missing; a decode that raises keeps nothing."""
+    value = memo.get(key)
+    if value is None:
+        value = decode()
         if len(memo) >= _MEMO_MAX:
             memo.clear()
-        memo[key] = reads
-    return reads
+        memo[key] = value
+    return value
 
 
 def _experts(value, address: Address, op: str, columns, graph) -> tuple[int, ...] | None:
