@@ -20,14 +20,32 @@ def vllm_installed() -> bool:
     return importlib.util.find_spec("vllm") is not None
 
 
+def _engines_that_fit() -> int:
+    """How many test engines stay up at once: as many as this machine's free memory holds at
+    about ``ENGINE_BYTES`` each (a tiny model's engine core and worker processes with the pool's
+    KV cache), keeping ``SPARE_BYTES`` for the test process and its eager models; between 4 and
+    16. A restart costs about 20 s (start and close): the registry's architectures all fit on a
+    24 GiB machine, so each starts once."""
+    ENGINE_BYTES, SPARE_BYTES = 1 << 30, 6 << 30
+    try:
+        with open("/proc/meminfo") as f:
+            free = next(int(line.split()[1]) << 10 for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return 9
+    return max(4, min(16, (free - SPARE_BYTES) // ENGINE_BYTES))
+
+
 class ModelPool:
     """Loads each (arch, backend, options) once. vLLM engines stay up while they are among the
-    ``MAX_ENGINES`` most recently asked for; an older one is closed (its processes and KV cache
-    freed) and starts again if asked for later, so the session's memory stays bounded however
-    many architectures the registry holds."""
+    ``MAX_ENGINES`` most recently asked for (``INTERP_ENGINE_TEST_MAX_ENGINES``, else what free
+    memory holds); an older one is closed (its processes and KV cache freed) and starts again if
+    asked for later, so the session's memory stays bounded however many architectures the
+    registry holds."""
 
-    MAX_ENGINES = int(os.environ.get("INTERP_ENGINE_TEST_MAX_ENGINES", "9"))
-    KV_BYTES = 256 << 20  # KV cache per test engine: ample for the tiny models' contexts
+    MAX_ENGINES = int(os.environ.get("INTERP_ENGINE_TEST_MAX_ENGINES") or _engines_that_fit())
+    # KV cache per test engine: ample for the tiny models' contexts (about 20,000 tokens of the
+    # largest; the most a test holds at once is a harvest's 128 windows of 64)
+    KV_BYTES = 32 << 20
 
     def __init__(self) -> None:
         self._models: dict[tuple, object] = {}
@@ -61,8 +79,12 @@ class ModelPool:
         return self._models[key]
 
     def close(self) -> None:
-        for model in self._models.values():
-            model.close()
+        """Closes every model at once: a vLLM engine's close mostly waits for its processes to
+        exit (seconds each), so one after another would add up."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(max_workers=max(1, len(self._models))) as threads:
+            list(threads.map(lambda model: model.close(), list(self._models.values())))
         self._models.clear()
         self._engines.clear()
 
@@ -78,6 +100,9 @@ def pytest_terminal_summary(terminalreporter) -> None:
         again = sum(n - 1 for n in ENGINE_STARTS.values())
         terminalreporter.write_line(f"model pool: {sum(ENGINE_STARTS.values())} vLLM engines started "
                                     f"({len(ENGINE_STARTS)} distinct, {again} restarts after eviction)")
+        for key, n in ENGINE_STARTS.most_common():
+            if n > 1:
+                terminalreporter.write_line(f"  started {n}x: {key}")
 
 
 def _engine_key(item, archs) -> tuple[str, str] | None:
