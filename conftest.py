@@ -46,7 +46,7 @@ class ModelPool:
 
     MAX_ENGINES = int(os.environ.get("INTERP_ENGINE_TEST_MAX_ENGINES") or _engines_that_fit())
     # KV cache per test engine: ample for the tiny models' contexts (about 20,000 tokens of the
-    # largest; the most a test holds at once is a harvest's 128 windows of 64)
+    # largest; the tests' harvests keep at most 16 windows of 16 positions in flight)
     KV_BYTES = 32 << 20
 
     def __init__(self) -> None:
