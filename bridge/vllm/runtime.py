@@ -28,6 +28,7 @@ of them when the request's captures leave (``attention.pattern_from_rows``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import logging
 import os
@@ -232,6 +233,7 @@ class Runtime:
         self.active: list[tuple[_Request, int, int]] = []
         self._layout: tuple | None = None  # the last forward's (request ids, row starts)
         self._stale = True  # lay the next forward out afresh even if its layout is the last one's
+        self.quiet = False  # between steps, running vLLM's modules for the client (off_step)
         self._reading = False  # some request of the laid-out forward captures
         self._worked: dict[tuple[int, str], tuple] = {}  # each site's work, worked out (_apply)
         self.arenas: dict[Address, Arena] = {}  # each point's rows, for all its readers (buffers.py)
@@ -256,6 +258,21 @@ class Runtime:
         if self._graph is None:
             self._graph = self.spec.graph_from_config(self.runner.model_config.hf_config)
         return self._graph
+
+    @contextlib.contextmanager
+    def off_step(self):
+        """A computation between engine steps through vLLM's own modules (the lens's final norm
+        and head, one layer's o_proj per head, the embeddings): the hooked sites and compiled
+        taps and steering sites on those modules still hold the last step's rows, and must not
+        take this computation's rows for some request's (nor steer them)."""
+        self.quiet = True
+        if self.static is not None:
+            self.static.fill([], None)  # (the next step fills its own maps again)
+            self._stale = True
+        try:
+            yield
+        finally:
+            self.quiet = False
 
     # ---- per forward: which rows belong to which request --------------------------------
     def _on_forward(self, module, args, kwargs):
@@ -480,14 +497,14 @@ class Runtime:
 
     def _pre_hook(self, site: _Site) -> Callable:
         def hook(module, args, kwargs):
-            if not site.pre:
+            if not site.pre or self.quiet:
                 return None
             return self._run_pre(site, args, kwargs)
         return hook
 
     def _post_hook(self, site: _Site) -> Callable:
         def hook(module, args, out):
-            if not site.post:
+            if not site.post or self.quiet:
                 return None
             return self._run_post(site, out)
         return hook

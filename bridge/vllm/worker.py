@@ -112,7 +112,7 @@ class InterpWorkerExtension:
         root = self._interp_root()
         x = tensor_from_wire(resid)
         shape = x.shape
-        with torch.inference_mode():
+        with torch.inference_mode(), runtime.off_step():
             flat = x.reshape(-1, shape[-1]).to(runtime.device, runtime.dtype)
             norm = root.get_submodule(runtime.spec.vllm_final_norm_path)
             logits = root.compute_logits(norm(flat))
@@ -138,7 +138,7 @@ class InterpWorkerExtension:
             return out[0] if isinstance(out, tuple) else out
 
         heads = []
-        with torch.inference_mode():
+        with torch.inference_mode(), runtime.off_step():
             base = run(torch.zeros_like(local[:1]))
             for head in range(h):  # every rank runs every head (the all-reduce is collective)
                 masked = torch.zeros_like(local)
@@ -151,6 +151,6 @@ class InterpWorkerExtension:
     def interp_embed(self, ids: list[int]) -> Any:
         root = self._interp_root()
         runtime = self._interp_runtime()
-        with torch.inference_mode():
+        with torch.inference_mode(), runtime.off_step():
             out = root.embed_input_ids(torch.tensor(ids, dtype=torch.long, device=runtime.device))
         return tensor_to_wire(out) if tp_rank_and_size()[0] == 0 else None

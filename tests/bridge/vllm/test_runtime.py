@@ -352,3 +352,37 @@ def test_requests_gathered_together_are_handed_to_the_engine_together(pair, monk
         return run_with_cache(vllm, [ids], ["resid_post.0"])
 
     assert asyncio.run(synchronous_inside_a_loop())["resid_post.0"].shape[1] == len(ids)
+
+
+def test_worker_computations_between_steps_neither_steer_nor_capture_for_a_request(pair):
+    """head_contributions (and the lens) run vLLM's own o_proj (final norm, head) inside the
+    workers, between engine steps, while the hooked sites still hold the last step's rows. A
+    steered capture at the o_proj input is in flight meanwhile: each head_contributions must
+    equal the one with nothing in flight, and the request's rows must equal eager's."""
+    from interp_engine import head_contributions
+
+    eager, vllm = pair
+    tokens = vllm.to_tokens(PROMPT)
+    cache = run_with_cache(vllm, tokens, ["z.1"])
+    alone = head_contributions(vllm, cache, 1)
+    v = torch.randn(vllm.graph.n_heads, vllm.graph.d_head, generator=torch.Generator().manual_seed(3))
+    spec = SteerSpec.add("z.1", v, scale=4.0)
+
+    async def both():
+        loop = asyncio.get_running_loop()
+        task = asyncio.create_task(vllm.capture_generation(tokens, ["z.1"], max_tokens=24, temperature=0.0,
+                                                           stop_at_eos=False, steer=spec))
+        heads = []
+        while not task.done():
+            heads.append(await loop.run_in_executor(None, head_contributions, vllm, cache, 1))
+        return await task, heads
+
+    (completion, captured), heads = asyncio.run(both())
+    assert len(heads) >= 2  # (several computations fell between the request's steps)
+    for h in heads:
+        torch.testing.assert_close(h, alone, rtol=0, atol=0)
+    with steer(eager, spec):
+        want_completion, want = capture_generation(eager, tokens, ["z.1"], max_tokens=24, temperature=0.0,
+                                                   stop_at_eos=False)
+    assert completion.token_ids == want_completion.token_ids
+    assert_close_scaled(captured[to_address("z.1")], want[to_address("z.1")], msg="z.1 of the steered request")
