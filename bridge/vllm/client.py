@@ -56,6 +56,8 @@ _PROCESS = uuid.uuid4().hex[:16]  # this client process's part of every request 
 _FUSED = frozenset({"q", "k", "v", "mlp_pre"})
 # points recomputed from router_logits with the spec's routing rule (bridge/vllm/routing.py)
 _ROUTED = frozenset({"expert_weights", "expert_indices"})
+# points whose rows may leave the worker in another dtype than the model's: never by the inbox
+_NOT_INBOX = _ROUTED | {"router_logits", "pattern"}
 
 
 def check_engine_kwargs(kwargs: dict) -> None:
@@ -107,6 +109,18 @@ class _Capture:
 
     rid: str = ""
     values: dict[Address, torch.Tensor] | None = None
+
+
+@dataclass(eq=False)
+class _Region:
+    """A request's region of the client's inbox file (inbox.py): each read's rows at ``at``,
+    ``widths`` floats a row. ``done``: the client read it, or gave the request up."""
+
+    start: int
+    nbytes: int
+    at: dict[Address, int]
+    widths: dict[Address, int]
+    done: bool = False
 
 
 @dataclass(frozen=True)
@@ -164,6 +178,7 @@ class _Request:
     released: bool = False
     deferred: bool = False  # its status is collected by its caller, with others (harvest_into)
     slot: int | None = None  # its row of the status board (a plan that only writes): see board.py
+    region: _Region | None = None  # where its workers write its rows for it to read (inbox.py)
     # what the workers answered for this request when it finished (collected by the pump, in
     # one rpc for every request that finished in that step), or the exception that rpc raised
     settled: list | BaseException | None = None
@@ -295,6 +310,9 @@ class VllmBackend:
                 from .spill import SpillFiles
 
                 self._spill = SpillFiles(self.world)
+                from .inbox import Inbox
+
+                self._inbox = Inbox()
             self._routing_mismatch = {int(k): v for k, v in (infos[0].get("routing_mismatch") or {}).items()}
             self._pattern_mismatch = {int(k): v for k, v in (infos[0].get("pattern_mismatch") or {}).items()}
             self._expert_refusals = {int(k): v for k, v in (infos[0].get("expert_write_refusals") or {}).items()}
@@ -321,6 +339,9 @@ class VllmBackend:
                 self._board.close()
                 self._board = None
             self._spill = None
+            if self._inbox is not None:
+                self._inbox.close()
+                self._inbox = None
         self._driver = self._watchdog = None
         self._stop = self._dead = False
         self._in_process = None
@@ -475,11 +496,22 @@ class VllmBackend:
             prompt_len = len(prompt)
         n = next(_ids)
         rid = f"{_PROCESS}{n:x}"  # unique across clients of one worker (os.urandom per request is slow)
-        slot = None
+        slot = region = None
+        if rows_to is None and capture is not None and config.max_tokens == 1 and self._inbox is not None \
+                and self._inboxes(plan):
+            region = self._region(plan, prompt_len)
+            if region is not None:
+                rows_to = {"path": self._inbox.path, "positions": prompt_len,
+                           "offsets": {str(a): at for a, at in region.at.items()},
+                           "widths": {str(a): w for a, w in region.widths.items()}}
         if self._board is not None and ((plan.writes and not plan.reads)
                                         or (rows_to is not None and self._boards(plan))):
             with self._wake:
                 slot = self._board.take()
+        if region is not None and slot is None:  # no board row to say the rows are in: by rpc
+            with self._wake:
+                self._inbox.give(region.start, region.nbytes)
+            region = rows_to = None
         extra = None if plan.empty else {"interp_engine": plan_to_wire(
             plan, rid, model=self._fingerprint, sink=rows_to,
             board=None if slot is None else self._board.where(slot))}
@@ -489,12 +521,47 @@ class VllmBackend:
             issue(rid)  # checked by capture_plan / steer_plan: the validator need not parse it again
         params = self._sampling_params(config, extra, streaming)
         external = f"interp-{n}-{_PROCESS[:8]}"
-        request = _Request(external, rid, plan, prompt_len, capture, sink, max_tokens=config.max_tokens, slot=slot)
+        request = _Request(external, rid, plan, prompt_len, capture, sink, max_tokens=config.max_tokens, slot=slot,
+                           region=region)
         if capture is not None:
             capture.rid = rid
         with self._wake:
             self._queued.append((request, engine_prompt, params))
         return request
+
+    def _inboxes(self, plan: Plan) -> bool:
+        """Whether a capture plan's rows can come through the inbox (inbox.py): every read's
+        rows are its values, whole on one rank, and in the model's dtype (router logits may be
+        float32 in a bfloat16 model; the inbox holds float32 and gives back the model's dtype)."""
+        return (bool(plan.reads) and self.sinks(plan) and self._boards(plan)
+                and not any(a.name in _NOT_INBOX for a in plan.reads))
+
+    def _region(self, plan: Plan, rows: int) -> _Region | None:
+        """A region of the inbox for ``rows`` rows of each of ``plan``'s reads (None: no room)."""
+        from .wire import point_width
+
+        widths = {a: point_width(self.graph, a.name) for a in plan.reads}
+        at, size = {}, 0
+        for a in plan.reads:
+            at[a], size = size, size + 4 * rows * widths[a]
+        with self._wake:
+            start = self._inbox.take(size)
+        if start is None:
+            return None
+        return _Region(start, size, {a: start + o for a, o in at.items()}, widths)
+
+    def _region_done(self, request: _Request) -> None:
+        """Nobody reads ``request``'s inbox region any more: it is free once no worker can write
+        into it either (its board slot is back: see _give_slot)."""
+        with self._wake:
+            region = request.region
+            if region is None:
+                return
+            region.done = True
+            if request.slot is None:
+                request.region = None
+                if self._inbox is not None:
+                    self._inbox.give(region.start, region.nbytes)
 
     def _kick(self) -> None:
         """Release the queued requests once, at the end of the running event loop's current
@@ -670,12 +737,17 @@ class VllmBackend:
 
     def _give_slot(self, request: _Request) -> None:
         """``request``'s board row back, once no worker can write for it any more (it ended and
-        was settled or collected, or its release rpc returned)."""
+        was settled or collected, or its release rpc returned); its inbox region too, if read."""
         if request.slot is not None:
             slot, request.slot = request.slot, None
             with self._wake:
                 if self._board is not None:
                     self._board.give(slot)
+                region = request.region
+                if region is not None and region.done:
+                    request.region = None
+                    if self._inbox is not None:
+                        self._inbox.give(region.start, region.nbytes)
 
     def _drive(self) -> None:
         """The driver thread of a multiprocess engine: pump while requests are in flight."""
@@ -728,6 +800,8 @@ class VllmBackend:
 
     def _abort(self, request: _Request) -> None:
         """Leave nothing of ``request`` in the engine or the workers (a cancel, an error)."""
+        if request.region is not None:
+            self._region_done(request)  # (freed once no worker can write into it)
         if request.finished and (request.released or request.plan.empty):
             # the usual end: nothing left anywhere. Taking _lock here would wait out the step the
             # driver is running, and an async caller would block its event loop for that long.
@@ -762,7 +836,22 @@ class VllmBackend:
         results = self._answers(request, request.prompt_len + request.generated - 1
                                 if request.capture is not None else 0)
         if request.capture is not None:
-            request.capture.values = merge_ranks(request.plan.reads, results)
+            request.capture.values = self._captured(request, results)
+
+    def _captured(self, request: _Request, results: list) -> dict[Address, torch.Tensor]:
+        """An ended request's rows: those the workers answered with, and those they wrote into
+        its inbox region (all of them, when the board said so and nothing was collected)."""
+        region = request.region
+        if region is None:
+            return merge_ranks(request.plan.reads, results)
+        sent = {key for r in results for key in r.get("values", {})}
+        values = merge_ranks([a for a in request.plan.reads if str(a) in sent], results)
+        rows = request.prompt_len + request.generated - 1
+        for a in request.plan.reads:
+            if str(a) not in sent:
+                values[a] = self._inbox.read(region.at[a], rows, region.widths[a], self.dtype)
+        self._region_done(request)
+        return values
 
     def _answers(self, request: _Request, n: int) -> list:
         """The workers' answers for an ended request (collected by the pump, or now, for ``n``

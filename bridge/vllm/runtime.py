@@ -1043,6 +1043,9 @@ class Runtime:
         """A harvest request's rows of ``address`` into its sink file, as float32, at its offset."""
         if rows.shape[0] != sink.positions:
             raise ValueError(f"the request has {rows.shape[0]} positions, its sink row holds {sink.positions}")
+        if sink.widths is not None and rows[0].numel() != sink.widths[str(address)]:
+            raise ValueError(f"{address}: rows of {rows[0].numel()} floats, but the client sized its sink for "
+                             f"{sink.widths[str(address)]}")
         data = rows.to(torch.float32).contiguous().view(-1).numpy()
         fd = os.open(sink.path, os.O_WRONLY)  # the client made it at its full size: never create
         try:

@@ -118,6 +118,10 @@ class SinkWriter:
         known = self.points.get(address)
         if known is None or known[1] != row_bytes:
             at, n = self.sink.offsets[str(address)], self.sink.positions
+            widths = self.sink.widths
+            if widths is not None and 4 * widths[str(address)] != row_bytes:
+                raise ValueError(f"{address}: rows of {row_bytes // 4} floats, but the client sized its sink "
+                                 f"for {widths[str(address)]}")
             if at + n * row_bytes > self.size:
                 raise ValueError(f"{address}: {n} rows of {row_bytes} bytes at byte {at} end past the end of "
                                  f"{self.sink.path} ({self.size} bytes)")

@@ -141,6 +141,7 @@ class WireSink:
     path: str
     offsets: Mapping[str, int]
     positions: int
+    widths: Mapping[str, int] | None = None  # floats per row of each read, where the client sized it so
 
 
 @dataclass(frozen=True)
@@ -203,6 +204,8 @@ def plan_to_wire(plan: Plan, rid: str, capture_path: str | None = None, model: s
     if sink is not None:
         data["sink"] = {"path": str(sink["path"]), "positions": int(sink["positions"]),
                         "offsets": {str(k): int(v) for k, v in sink["offsets"].items()}}
+        if sink.get("widths") is not None:
+            data["sink"]["widths"] = {str(k): int(v) for k, v in sink["widths"].items()}
     if board is not None:
         data["board"] = {"path": str(board["path"]), "at": int(board["at"])}
     return data
@@ -485,7 +488,13 @@ def _sink(value, reads: tuple[Address, ...]) -> WireSink:
             isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in offsets.values()):
         raise _fail(f"sink offsets must map each read ({', '.join(str(a) for a in reads)}) to a byte "
                     f"offset >= 0, got {offsets!r}")
-    return WireSink(value["path"], MappingProxyType(dict(offsets)), positions)
+    widths = value.get("widths")
+    if widths is not None and (not isinstance(widths, Mapping) or sorted(widths) != sorted(offsets) or not all(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in widths.values())):
+        raise _fail(f"sink widths must map each read ({', '.join(str(a) for a in reads)}) to its floats per "
+                    f"row (an int >= 1), got {widths!r}")
+    return WireSink(value["path"], MappingProxyType(dict(offsets)), positions,
+                    None if widths is None else MappingProxyType(dict(widths)))
 
 
 def merge_ranks(reads: Sequence[Address], results: Sequence[Mapping]) -> dict[Address, torch.Tensor]:

@@ -188,3 +188,18 @@ def test_a_compiled_taps_rows_of_consecutive_windows_go_in_with_one_write(tmp_pa
     assert last.served and last.error is None
     assert not stray.served and "outside the sink" in stray.error
     assert np.array_equal(_read(path, windows)[1][3], value(3, B).numpy())  # the stray wrote nothing
+
+
+def test_rows_of_another_width_than_the_client_sized_are_refused_not_written(tmp_path):
+    """A client that sized its file's regions (the inbox) names each read's width: rows of another
+    width would run into the next region, so the worker refuses them and writes nothing."""
+    path, files = _file(tmp_path), SinkFiles()
+    sink = _sink(path, 0)
+    sized = WireSink(sink.path, sink.offsets, N, MappingProxyType({str(A): W, str(B): W}))
+    writer = SinkWriter(sized, files)
+    with pytest.raises(ValueError, match=r"rows of 8 floats, but the client sized its sink for 4"):
+        writer.write(A, torch.ones(2, 2 * W), np.arange(2))
+    writer.write(B, torch.ones(1, W), np.array([0]))
+    a, b = _read(path)
+    assert not a.any() and b[0][0].all() and not writer.complete(A, 1)
+    writer.close()

@@ -1,0 +1,179 @@
+"""The inbox (bridge/vllm/inbox.py): a multiprocess engine's one-token captures come back through
+a file the workers write and the client maps, with no collect rpc, and equal eager's; anything
+the board does not vouch for falls back to the rpc; a region is reused only once nobody reads or
+writes it (after a cancel too)."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from bridge.vllm.inbox import Inbox
+from interp_engine import Address, run_with_cache
+
+PROMPTS = ["Once upon a time, in a land far away, there lived", "The capital of France is", "Hi"]
+
+
+def test_regions_are_first_fit_joined_when_given_back_and_never_past_a_quarter(tmp_path):
+    inbox = Inbox(size=4096, directory=str(tmp_path))
+    try:
+        a, b, c = inbox.take(100), inbox.take(64), inbox.take(1)
+        assert (a, b, c) == (0, 128, 192)  # 64-byte aligned, in file order
+        assert inbox.take(1025) is None  # more than a quarter of the file: the rpc carries it
+        inbox.give(b, 64)
+        assert inbox.take(64) == b  # the hole is reused first
+        inbox.give(a, 100)
+        inbox.give(b, 64)
+        inbox.give(c, 1)
+        assert inbox._free == [[0, 4096]]  # every run joined again
+    finally:
+        inbox.close()
+    assert not os.path.exists(inbox.path)
+
+
+def test_rows_are_read_as_a_copy_in_the_asked_dtype(tmp_path):
+    inbox = Inbox(size=4096, directory=str(tmp_path))
+    try:
+        at = inbox.take(2 * 3 * 4)
+        rows = np.arange(6, dtype=np.float32).reshape(2, 3) + 0.5
+        with open(inbox.path, "r+b") as f:  # as a worker writes: through the file, not the map
+            f.seek(at)
+            f.write(rows.tobytes())
+        got = inbox.read(at, 2, 3, torch.float32)
+        assert torch.equal(got, torch.from_numpy(rows))
+        assert inbox.read(at, 2, 3, torch.bfloat16).dtype == torch.bfloat16
+        with open(inbox.path, "r+b") as f:
+            f.seek(at)
+            f.write(np.zeros(6, dtype=np.float32).tobytes())
+        assert torch.equal(got, torch.from_numpy(rows))  # a copy: reusing the region changes nothing
+    finally:
+        inbox.close()
+
+
+def test_a_client_that_exits_without_closing_leaves_no_inbox_file(tmp_path):
+    import subprocess
+    import sys
+
+    code = ("from bridge.vllm.inbox import Inbox; "
+            f"print(Inbox(size=4096, directory={str(tmp_path)!r}).path)")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
+    assert out.stdout.strip().startswith(str(tmp_path)) and os.listdir(tmp_path) == []
+
+
+def _rpcs(backend, monkeypatch) -> list[str]:
+    """The collect / release rpcs ``backend`` makes from now on."""
+    calls = []
+    llm = backend._engine()
+    real = llm.collective_rpc
+
+    def counting(method, *args, **kwargs):
+        if method.startswith(("interp_collect", "interp_release")):
+            calls.append(method)
+        return real(method, *args, **kwargs)
+
+    monkeypatch.setattr(llm, "collective_rpc", counting)
+    return calls
+
+
+def _points(model) -> list[Address]:
+    last = model.n_layers - 1
+    return [Address("resid_pre", 0), Address("resid_post", last), Address("attn_out", 1), Address("mlp_out", last),
+            Address("z", 0), Address("mlp_act", 0), Address("resid_mid", 1)]
+
+
+def _eager(eager, prompt: str, points) -> dict[Address, torch.Tensor]:
+    cache = run_with_cache(eager, eager.to_tokens(prompt), points)
+    return {a: cache[a] for a in points}
+
+
+def _whole(backend) -> bool:
+    return backend._inbox._free == [[0, backend._inbox.size]]
+
+
+@pytest.fixture
+def pair(model_pool):
+    pytest.importorskip("vllm")
+    eager, vllm = model_pool.get("qwen3"), model_pool.get("qwen3", "vllm")
+    vllm.backend._engine()
+    assert not vllm.backend.in_process and vllm.backend._inbox is not None  # the pool's engines are multiprocess
+    return eager, vllm
+
+
+def _assert_equal(got: dict, want: dict) -> None:
+    assert set(got) == set(want)
+    for address, value in want.items():
+        assert got[address].dtype == value.dtype and got[address].shape == value.shape, address
+        torch.testing.assert_close(got[address], value, rtol=1e-5, atol=1e-5, msg=str(address))
+
+
+@pytest.mark.vllm
+def test_prompt_captures_come_through_the_inbox_without_a_collect_rpc_and_equal_eager(pair, monkeypatch):
+    eager, vllm = pair
+    points = _points(vllm)
+    calls = _rpcs(vllm.backend, monkeypatch)
+    for prompt in PROMPTS:
+        cache = run_with_cache(vllm, vllm.to_tokens(prompt), points)
+        _assert_equal({a: cache[a] for a in points}, _eager(eager, prompt, points))
+
+    async def together():  # several requests in one prefill step, each its own region
+        return await asyncio.gather(*(vllm.capture_generation(vllm.to_tokens(p), points, max_tokens=1,
+                                                              temperature=0.0) for p in PROMPTS))
+
+    for prompt, (_, cache) in zip(PROMPTS, asyncio.run(together())):
+        _assert_equal({a: cache[a] for a in points}, _eager(eager, prompt, points))
+    assert calls == []  # settled from the board: the rows were read from the inbox
+    assert _whole(vllm.backend)
+
+
+@pytest.mark.vllm
+def test_a_board_that_does_not_vouch_for_the_rows_falls_back_to_the_rpc(pair, monkeypatch):
+    """The client never takes the file on trust: without every worker's OK it collects by rpc,
+    and reads what the workers wrote into its region (or sent back) from there."""
+    eager, vllm = pair
+    points = _points(vllm)
+    monkeypatch.setattr(vllm.backend._board, "ok", lambda slot: False)
+    calls = _rpcs(vllm.backend, monkeypatch)
+    cache = run_with_cache(vllm, vllm.to_tokens(PROMPTS[0]), points)
+    assert calls == ["interp_collect_many"]
+    _assert_equal({a: cache[a] for a in points}, _eager(eager, PROMPTS[0], points))
+    assert _whole(vllm.backend)
+
+
+@pytest.mark.vllm
+def test_a_worker_that_cannot_open_the_inbox_sends_its_rows_by_rpc(pair, monkeypatch):
+    """As a worker on another machine: it writes nothing there and says nothing on the board, so
+    the client collects, and the rows come in the answer."""
+    eager, vllm = pair
+    points = _points(vllm)
+    inbox = vllm.backend._inbox
+    monkeypatch.setattr(inbox, "path", inbox.path + "-on-another-machine")
+    calls = _rpcs(vllm.backend, monkeypatch)
+    cache = run_with_cache(vllm, vllm.to_tokens(PROMPTS[1]), points)
+    assert calls == ["interp_collect_many"]
+    _assert_equal({a: cache[a] for a in points}, _eager(eager, PROMPTS[1], points))
+    assert _whole(vllm.backend)
+
+
+@pytest.mark.vllm
+def test_a_cancelled_capture_gives_its_region_back_once_no_worker_can_write_into_it(pair):
+    eager, vllm = pair
+    points = _points(vllm)
+
+    async def cancel_some():
+        tasks = [asyncio.ensure_future(vllm.capture_generation(vllm.to_tokens(p), points, max_tokens=1,
+                                                               temperature=0.0)) for p in PROMPTS]
+        await asyncio.sleep(0)  # each request is added (and holds a region) before it is cancelled
+        tasks[0].cancel()
+        tasks[2].cancel()
+        return await asyncio.gather(*tasks, return_exceptions=True)
+
+    results = asyncio.run(cancel_some())
+    assert isinstance(results[0], asyncio.CancelledError) and isinstance(results[2], asyncio.CancelledError)
+    _assert_equal({a: results[1][1][a] for a in points}, _eager(eager, PROMPTS[1], points))
+    assert _whole(vllm.backend)
+    assert vllm.backend._board is not None and len(vllm.backend._board._free) == vllm.backend._board.slots
