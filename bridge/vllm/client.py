@@ -85,6 +85,14 @@ def check_engine_kwargs(kwargs: dict) -> None:
             raise TypeError(f"vLLM engine argument {key}={value!r} has the wrong type: expected {field_.type}")
 
 
+def cpu_kv_bytes(graph: ModelGraph, dtype: torch.dtype, max_model_len: int) -> int:
+    """The KV cache a CPU engine gets unless told otherwise: room for 64 sequences of the whole
+    context (K and V of every layer's KV heads), between 64 MiB and 1 GiB. A real model gets the
+    1 GiB cap; a small one no more than it can use (each GiB is the engine's resident memory)."""
+    per_token = 2 * graph.n_layers * graph.n_kv_heads * graph.d_head * torch.empty((), dtype=dtype).element_size()
+    return int(min(1 << 30, max(64 << 20, 64 * int(max_model_len) * per_token)))
+
+
 def _cpu_binding(world: int) -> str | None:
     """``VLLM_CPU_OMP_THREADS_BIND`` for ``world`` CPU ranks: the usable cores split evenly."""
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
@@ -222,10 +230,11 @@ class VllmBackend:
         if (not torch.cuda.is_available() and "kv_cache_memory_bytes" not in engine_kwargs
                 and not os.environ.get("VLLM_CPU_KVCACHE_SPACE")):
             # vLLM's CPU backend otherwise reserves most of the machine's memory for KV cache
-            self._kwargs["kv_cache_memory_bytes"] = 1 << 30
+            self._kwargs["kv_cache_memory_bytes"] = cpu_kv_bytes(graph, dtype, max_model_len)
         self._llm = None
         self._board = None  # where the workers report write-only plans (board.py), once started
         self._spill = None  # where multiprocess workers write a collect's rows (spill.py), once started
+        self._inbox = None  # where multiprocess workers write a prompt's captured rows (inbox.py)
         self._lock = threading.RLock()  # one caller inside the engine at a time
         self._wake = threading.Condition()
         self._requests: dict[str, _Request] = {}

@@ -160,6 +160,27 @@ def test_embeds_need_enable_prompt_embeds():
     assert model.backend._llm is None
 
 
+def test_a_cpu_engine_reserves_the_kv_cache_its_model_can_use_not_a_gibibyte_each(monkeypatch):
+    """Each byte of a CPU engine's KV cache is resident memory: a tiny model gets the 64 MiB
+    floor, a real one the 1 GiB cap, a middle one 64 whole contexts; what the caller passes wins."""
+    import dataclasses
+
+    from bridge.vllm.client import cpu_kv_bytes
+
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    model = load_model(tiny_model("qwen3"), backend="vllm")  # lazy: no engine starts
+    graph = model.graph
+    assert model.backend._kwargs["kv_cache_memory_bytes"] == cpu_kv_bytes(graph, torch.float32,
+                                                                          model.max_model_len) == 64 << 20
+    real = dataclasses.replace(graph, n_layers=36, n_kv_heads=8, d_head=128)  # Qwen3-8B's KV
+    assert cpu_kv_bytes(real, torch.bfloat16, 40960) == 1 << 30
+    middle = dataclasses.replace(graph, n_layers=4, n_kv_heads=2, d_head=64)  # 4 KiB a token in float32
+    assert cpu_kv_bytes(middle, torch.float32, 2048) == 64 * 2048 * (2 * 4 * 2 * 64 * 4)
+    own = load_model(tiny_model("qwen3"), backend="vllm", kv_cache_memory_bytes=32 << 20)
+    assert own.backend._kwargs["kv_cache_memory_bytes"] == 32 << 20
+    assert model.backend._llm is None and own.backend._llm is None
+
+
 def test_concurrent_async_requests_each_get_their_own_result(pair):
     eager, vllm = pair
     tokens = eager.to_tokens(PROMPTS[0])
