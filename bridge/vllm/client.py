@@ -563,14 +563,18 @@ class VllmBackend:
         """Nobody reads ``request``'s inbox region any more: it is free once no worker can write
         into it either (its board slot is back: see _give_slot)."""
         with self._wake:
-            region = request.region
-            if region is None:
-                return
-            region.done = True
-            if request.slot is None:
-                request.region = None
-                if self._inbox is not None:
-                    self._inbox.give(region.start, region.nbytes)
+            if request.region is not None:
+                request.region.done = True
+                self._free_region(request)
+
+    def _free_region(self, request: _Request) -> None:
+        """``request``'s inbox region back, if nobody reads it and no worker can write into it
+        (its board slot is back). Holding _wake."""
+        region = request.region
+        if region is not None and region.done and request.slot is None:
+            request.region = None
+            if self._inbox is not None:
+                self._inbox.give(region.start, region.nbytes)
 
     def _kick(self) -> None:
         """Release the queued requests once, at the end of the running event loop's current
@@ -752,11 +756,7 @@ class VllmBackend:
             with self._wake:
                 if self._board is not None:
                     self._board.give(slot)
-                region = request.region
-                if region is not None and region.done:
-                    request.region = None
-                    if self._inbox is not None:
-                        self._inbox.give(region.start, region.nbytes)
+                self._free_region(request)
 
     def _drive(self) -> None:
         """The driver thread of a multiprocess engine: pump while requests are in flight."""
