@@ -14,6 +14,7 @@ import torch
 
 from bridge.vllm.inbox import Inbox
 from interp_engine import Address, run_with_cache
+from tests.bridge.vllm.test_board import _rpcs
 
 PROMPTS = ["Once upon a time, in a land far away, there lived", "The capital of France is", "Hi"]
 
@@ -63,21 +64,6 @@ def test_a_client_that_exits_without_closing_leaves_no_inbox_file(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=root)
     assert out.stdout.strip().startswith(str(tmp_path)) and os.listdir(tmp_path) == []
-
-
-def _rpcs(backend, monkeypatch) -> list[str]:
-    """The collect / release rpcs ``backend`` makes from now on."""
-    calls = []
-    llm = backend._engine()
-    real = llm.collective_rpc
-
-    def counting(method, *args, **kwargs):
-        if method.startswith(("interp_collect", "interp_release")):
-            calls.append(method)
-        return real(method, *args, **kwargs)
-
-    monkeypatch.setattr(llm, "collective_rpc", counting)
-    return calls
 
 
 def _points(model) -> list[Address]:
