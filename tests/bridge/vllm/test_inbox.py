@@ -116,32 +116,32 @@ def test_prompt_captures_come_through_the_inbox_without_a_collect_rpc_and_equal_
     assert _whole(vllm.backend)
 
 
+def _board_says_nothing(backend, monkeypatch) -> None:
+    """The workers write the rows into the inbox, but the client never sees their OK."""
+    monkeypatch.setattr(backend._board, "ok", lambda slot: False)
+
+
+def _inbox_elsewhere(backend, monkeypatch) -> None:
+    """As a worker on another machine: it cannot open the file, so it writes nothing there and
+    says nothing on the board; its rows come in the rpc's answer."""
+    monkeypatch.setattr(backend._inbox, "path", backend._inbox.path + "-on-another-machine")
+
+
 @pytest.mark.vllm
-def test_a_board_that_does_not_vouch_for_the_rows_falls_back_to_the_rpc(pair, monkeypatch):
+@pytest.mark.parametrize("unvouched", [_board_says_nothing, _inbox_elsewhere], ids=lambda f: f.__name__[1:])
+def test_rows_the_board_does_not_vouch_for_come_by_the_rpc(pair, monkeypatch, unvouched):
     """The client never takes the file on trust: without every worker's OK it collects by rpc,
-    and reads what the workers wrote into its region (or sent back) from there."""
+    and takes each read from the answer or from what the workers wrote into its region."""
     eager, vllm = pair
     points = _points(vllm)
-    monkeypatch.setattr(vllm.backend._board, "ok", lambda slot: False)
+    assert _whole(vllm.backend)  # so the region is the file's start: poison it, as an earlier request's rows
+    with open(vllm.backend._inbox.path, "r+b") as f:
+        f.write(np.full(1 << 18, np.nan, dtype=np.float32).tobytes())
+    unvouched(vllm.backend, monkeypatch)
     calls = _rpcs(vllm.backend, monkeypatch)
     cache = run_with_cache(vllm, vllm.to_tokens(PROMPTS[0]), points)
     assert calls == ["interp_collect_many"]
     _assert_equal({a: cache[a] for a in points}, _eager(eager, PROMPTS[0], points))
-    assert _whole(vllm.backend)
-
-
-@pytest.mark.vllm
-def test_a_worker_that_cannot_open_the_inbox_sends_its_rows_by_rpc(pair, monkeypatch):
-    """As a worker on another machine: it writes nothing there and says nothing on the board, so
-    the client collects, and the rows come in the answer."""
-    eager, vllm = pair
-    points = _points(vllm)
-    inbox = vllm.backend._inbox
-    monkeypatch.setattr(inbox, "path", inbox.path + "-on-another-machine")
-    calls = _rpcs(vllm.backend, monkeypatch)
-    cache = run_with_cache(vllm, vllm.to_tokens(PROMPTS[1]), points)
-    assert calls == ["interp_collect_many"]
-    _assert_equal({a: cache[a] for a in points}, _eager(eager, PROMPTS[1], points))
     assert _whole(vllm.backend)
 
 
