@@ -25,10 +25,15 @@ import tempfile
 import uuid
 import weakref
 
-__all__ = ["BoardFiles", "StatusBoard", "OK", "FAILED"]
+__all__ = ["BoardFiles", "StatusBoard", "OK", "FAILED", "shared_dir"]
 
 OK, FAILED = 1, 2
 _SLOTS = 4096
+
+
+def shared_dir() -> str:
+    """Where the client makes the files its workers write into: memory (/dev/shm) where it may."""
+    return "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
 
 
 class StatusBoard:
@@ -36,7 +41,7 @@ class StatusBoard:
 
     def __init__(self, world: int, slots: int = _SLOTS, directory: str | None = None) -> None:
         if directory is None:
-            directory = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+            directory = shared_dir()
         self.world, self.slots = int(world), int(slots)
         self.path = os.path.join(directory, f"interp-engine-board-{uuid.uuid4().hex}")
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

@@ -19,12 +19,13 @@ from __future__ import annotations
 
 import mmap
 import os
-import tempfile
 import uuid
 import weakref
 
 import numpy as np
 import torch
+
+from .board import shared_dir
 
 __all__ = ["Inbox"]
 
@@ -37,7 +38,7 @@ class Inbox:
 
     def __init__(self, size: int = SIZE, directory: str | None = None) -> None:
         if directory is None:
-            directory = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+            directory = shared_dir()
         self.size = int(size)
         self.path = os.path.join(directory, f"interp-engine-inbox-{uuid.uuid4().hex}")
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import mmap
 import os
-import tempfile
 import uuid
 
 import numpy as np
 import torch
 
+from .board import shared_dir
 from .sink import write_rows
 from .wire import tensor_to_wire
 
@@ -38,7 +38,7 @@ class SpillFiles:
 
     def __init__(self, world: int, directory: str | None = None) -> None:
         if directory is None:
-            directory = "/dev/shm" if os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
+            directory = shared_dir()
         self.world, self.directory = int(world), directory
 
     def make(self) -> str:
