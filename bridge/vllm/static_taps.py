@@ -71,6 +71,8 @@ class _Site:
     count: torch.Tensor
     slot_of: torch.Tensor
     free: list = field(default_factory=list)
+    # one-vector ops of the same content share one slot: (op, coef, id(vector)) -> [slot, vector, holders]
+    shared: dict = field(default_factory=dict)
     key: tuple | None = None  # what the maps hold: [(s, e, slot, add) | (rows, slots, add)], None: empty
     used: int = 0  # slot_of rows written (CUDA only)
 
@@ -143,7 +145,11 @@ class StaticTaps:
 
     # ---- requests: slots in the steering banks -----------------------------------------
     def admit(self, request) -> None:
-        """Give ``request``'s writes their slots (raises when a site is not declared or full)."""
+        """Give ``request``'s writes their slots (raises when a site is not declared or full).
+        A one-vector op whose vector, op and scale another request in flight already holds
+        shares that request's slot (requests steering with one SteerSpec decode to one vector in
+        the worker): it writes nothing, takes no slot of its own, and its rows can join its
+        neighbours' in one slice add."""
         for address in request.plan.reads:
             if address not in self.taps:
                 raise ValueError(f"{address} is not a declared static tap (declared: {[str(a) for a in self.taps]})")
@@ -162,21 +168,32 @@ class StaticTaps:
                 if site is None:
                     raise ValueError(f"{op.address} is not a declared static write site "
                                      f"(declared: {[str(a) for a in self.sites]})")
+                coef = affine(op.op, op.scale)
+                adds.append(coef == (1.0, 0.0))  # x + v: the op's one-call path (static_ops)
                 width = site.vec.shape[1]
-                vector = (torch.zeros(1, width) if op.op in VECTORLESS
-                          else request.vectors[i].reshape(-1, width))
+                source = None if op.op in VECTORLESS else request.vectors[i]
+                vector = torch.zeros(1, width) if source is None else source.reshape(-1, width)
+                if vector.shape[0] == 1:
+                    key = (op.op, coef, None if source is None else id(source))
+                    entry = site.shared.get(key)
+                    if entry is not None and entry[1] is source:  # (the entry keeps its vector alive)
+                        entry[2] += 1
+                        held.append((site, [entry[0]], key))
+                        continue
+                else:
+                    key = None
                 if len(site.free) < vector.shape[0]:
                     raise RuntimeError(f"{op.address}: all {self.n_slots} static steering slots are in use "
                                        "(raise static_slots when loading the model)")
                 slots = [site.free.pop() for _ in range(vector.shape[0])]
-                held.append((site, slots))
-                coef = affine(op.op, op.scale)
-                if len(slots) == 1:  # one vector (the usual op): its slot's rows written in place
+                held.append((site, slots, key))
+                if key is not None:  # one vector (the usual op): its slot's rows written in place
+                    site.shared[key] = [slots[0], source, 1]
                     j = slots[0]
                     keep, clear = (site.direction, site.vec) if op.op == "ablate" else (site.vec, site.direction)
                     keep[j].copy_(vector[0])
                     clear[j].zero_()
-                    site.coef[j, 0], site.coef[j, 1] = coef
+                    site.coef[j].copy_(torch.tensor(coef, dtype=torch.float64))
                 else:
                     index = torch.tensor(slots, device=self.device)
                     if op.op == "ablate":
@@ -186,15 +203,19 @@ class StaticTaps:
                         site.vec[index] = vector.to(self.dtype)
                         site.direction[index] = 0
                     site.coef[index] = torch.tensor(coef, dtype=self.dtype, device=self.device)
-                adds.append(coef == (1.0, 0.0))  # x + v: the op's one-call path (static_ops)
         finally:
             self.owned[id(request)] = held
-        request.static_slots = [torch.tensor(slots) for _, slots in held]  # op i, vector row j -> slot
-        request.static_first = [slots[0] for _, slots in held]  # op i's slot for a one-vector op
+        request.static_slots = [slots for _, slots, _ in held]  # op i, vector row j -> slot
         request.static_adds = adds  # op i only adds
 
     def forget(self, request) -> None:
-        for site, slots in self.owned.pop(id(request), ()):
+        for site, slots, key in self.owned.pop(id(request), ()):
+            if key is not None:
+                entry = site.shared[key]
+                entry[2] -= 1
+                if entry[2] > 0:
+                    continue  # other requests still steer from this slot
+                del site.shared[key]
             site.free.extend(slots)
 
     # ---- per step: outside the graph ---------------------------------------------------
@@ -223,14 +244,18 @@ class StaticTaps:
                     continue
                 parts = work.setdefault(id(self.sites[op.address]), [])
                 add = request.static_adds[i]
-                if sel.rows is None and sel.vector_rows is None:
-                    parts.append((s, e, request.static_first[i], add))
-                    continue
                 held = request.static_slots[i]
-                rows = torch.arange(s, e) if sel.rows is None else sel.rows + s
-                slots = (held[:1].expand(rows.numel()) if sel.vector_rows is None
-                         else held.index_select(0, sel.vector_rows))
-                parts.append((tuple(rows.tolist()), tuple(slots.tolist()), add))
+                if sel.rows is None and sel.vector_rows is None:
+                    last = parts[-1] if parts else None
+                    if last is not None and len(last) == 4 and last[1] == s and last[2] == held[0] and last[3] == add:
+                        parts[-1] = (last[0], e, held[0], add)  # the row before's slot (a shared one): one span
+                    else:
+                        parts.append((s, e, held[0], add))
+                    continue
+                rows = tuple(range(s, e)) if sel.rows is None else tuple((sel.rows + s).tolist())
+                slots = ((held[0],) * len(rows) if sel.vector_rows is None
+                         else tuple(held[j] for j in sel.vector_rows.tolist()))
+                parts.append((rows, slots, add))
         built: dict[tuple, torch.Tensor] = {}  # one row list per distinct span set this step
         for tap in self.taps.values():
             self._fill_tap(tap, built)

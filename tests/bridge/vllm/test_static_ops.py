@@ -168,3 +168,46 @@ def test_a_worker_refuses_two_writes_at_one_site_in_one_request():
         taps.admit(request)
     taps.forget(request)
     assert len(taps.sites[POST0].free) == 4  # the slot the first op took is back
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fixed", [False, True], ids=["rows", "fixed"])
+def test_requests_steering_with_one_vector_share_its_slot_until_the_last_lets_go(device, fixed):
+    """Requests that steer with the same vector object (a SteerSpec many requests send decodes
+    to one op in the worker) and the same op and scale hold one slot between them: side by side
+    their rows are one slice add; one leaving keeps the slot for the other; another op (other
+    coefficients) or another vector takes a slot of its own."""
+    g = torch.Generator().manual_seed(1)
+    v, w = torch.randn(D, generator=g).to(device), torch.randn(D, generator=g).to(device)
+    taps = _taps(device, fixed)
+    site = taps.sites[POST0]
+    a, b = (_request([], [_op(POST0, "add")], [v], prompt_len=2) for _ in range(2))
+    c = _request([], [_op(POST0, "set")], [v], prompt_len=2)  # the same vector, set: its own slot
+    for request in (a, b, c):
+        taps.admit(request)
+    assert len(site.free) == 2 and a.static_slots == b.static_slots != c.static_slots
+    x = torch.randn(8, D, generator=g).to(device)
+    taps.fill([(a, 0, 3), (b, 3, 5)], torch.tensor([0, 1, 2, 0, 1]))
+    assert fixed or site.count.tolist() == [5, 2, 0, a.static_slots[0][0]]  # one span, one slot
+    out = _run(taps, x[:5], None, fixed)
+    assert torch.equal(out, x[:5] + v)
+    taps.forget(a)
+    d = _request([], [_op(POST0, "add")], [w], prompt_len=2)  # takes a free slot, never b's
+    taps.admit(d)
+    assert d.static_slots != b.static_slots and len(site.free) == 1
+    taps.fill([(b, 0, 2), (c, 2, 4), (d, 4, 6)], torch.tensor([2, 3, 0, 1, 0, 1]))
+    out = _run(taps, x[:6], None, fixed)
+    torch.testing.assert_close(out[:2], x[:2] + v, atol=0, rtol=0)
+    torch.testing.assert_close(out[2:4], v.expand(2, D), atol=0, rtol=0)
+    torch.testing.assert_close(out[4:6], x[4:6] + w, atol=0, rtol=0)
+    for request in (b, c, d):
+        taps.forget(request)
+    assert len(site.free) == 4 and not site.shared
+    # vectorless ops share by their coefficients: a factor of 0.5 and one of 2 are two slots
+    e, f, h = (_request([], [_op(POST0, "scale", scale=k)], [None], prompt_len=2) for k in (0.5, 2.0, 0.5))
+    for request in (e, f, h):
+        taps.admit(request)
+    assert len(site.free) == 2 and e.static_slots == h.static_slots != f.static_slots
+    taps.fill([(e, 0, 2), (f, 2, 4), (h, 4, 6)], torch.tensor([0, 1, 0, 1, 0, 1]))
+    out = _run(taps, x[:6], None, fixed)
+    torch.testing.assert_close(out, torch.cat([0.5 * x[:2], 2 * x[2:4], 0.5 * x[4:6]]))
