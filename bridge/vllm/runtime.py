@@ -992,8 +992,7 @@ class Runtime:
                 if not self.store_captures and address.name not in self.rank_shards:
                     continue
                 if request.sink and self._sinks(address):  # written as they were read
-                    rows = n_positions if n_positions is not None else int(request.sink.seen[address].sum()) \
-                        if address in request.sink.seen else 0
+                    rows = n_positions if n_positions is not None else request.sink.written(address)
                     if not request.sink.complete(address, rows):
                         out["error"] = (f"{address}: the worker did not write every one of the request's {rows} "
                                         "positions into its sink (prefix caching or speculative decoding may be on)")

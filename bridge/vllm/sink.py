@@ -64,6 +64,43 @@ class SinkFiles:
             os.close(entry[0])
 
 
+class _Written:
+    """Which positions of one point a request wrote: every one below ``covered`` (rows arrive in
+    order, one forward after another), and a per-position array only once some arrive out of
+    order (drafts): a prefill's request costs two integer updates, not array writes and scans."""
+
+    __slots__ = ("n", "covered", "seen")
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self.covered = 0
+        self.seen: np.ndarray | None = None
+
+    def mark(self, first: int, top: int) -> None:
+        if self.seen is None:
+            if first <= self.covered:
+                if top > self.covered:
+                    self.covered = top
+                return
+            self.seen = np.zeros(self.n, dtype=bool)
+            self.seen[:self.covered] = True
+        self.seen[first:top] = True
+
+    def mark_at(self, positions: np.ndarray) -> None:
+        if self.seen is None:
+            self.seen = np.zeros(self.n, dtype=bool)
+            self.seen[:self.covered] = True
+        self.seen[positions] = True
+
+    def complete(self, rows: int) -> bool:
+        if rows <= self.covered:
+            return True
+        return self.seen is not None and rows <= self.n and bool(self.seen[:rows].all())
+
+    def count(self) -> int:
+        return self.covered if self.seen is None else int(self.seen.sum())
+
+
 class SinkWriter:
     """One request's rows into its sink, and which positions of each point it wrote."""
 
@@ -71,8 +108,7 @@ class SinkWriter:
         self.sink, self.files = sink, files
         self.fd, self.size = files.acquire(sink.path)
         self.open = True
-        self.seen: dict[Address, np.ndarray] = {}  # which positions of each point are written
-        self.points: dict[Address, tuple[int, int, np.ndarray]] = {}  # (offset, row bytes, seen)
+        self.points: dict[Address, tuple[int, int, _Written]] = {}  # (offset, row bytes, written)
 
     def write(self, address: Address, rows: torch.Tensor, positions: np.ndarray) -> None:
         """``rows`` (``[k, width]``, on the CPU) at ``positions`` (``[k]``) of ``address``."""
@@ -83,18 +119,18 @@ class SinkWriter:
         if data.dtype != torch.float32:
             data = data.to(torch.float32)
         data = data.numpy()
-        at, row_bytes, seen = self._point(address, data.shape[1] * 4)
+        at, row_bytes, written = self._point(address, data.shape[1] * 4)
         first, last = int(positions[0]), int(positions[-1])
-        if last - first + 1 == k and 0 <= first and last < seen.shape[0]:
+        if last - first + 1 == k and 0 <= first and last < written.n:
             # one forward's rows of a request: consecutive positions, bar drafts
             write_rows(self.fd, data, at + first * row_bytes)
-            seen[first:last + 1] = True
+            written.mark(first, last + 1)
             return
-        if int(positions.min()) < 0 or int(positions.max()) >= seen.shape[0]:
-            raise ValueError(f"{address}: positions {positions.tolist()} outside the sink's {seen.shape[0]} rows")
+        if int(positions.min()) < 0 or int(positions.max()) >= written.n:
+            raise ValueError(f"{address}: positions {positions.tolist()} outside the sink's {written.n} rows")
         for row, p in zip(data, positions.tolist()):
             write_rows(self.fd, row, at + p * row_bytes)
-        seen[positions] = True
+        written.mark_at(positions)
 
     def place(self, address: Address, width: int, first: int, k: int) -> int | None:
         """Where in the file ``k`` rows of ``width`` floats at positions ``first ..
@@ -103,39 +139,42 @@ class SinkWriter:
         (positions outside the sink: it says what is wrong)."""
         if not self.open:
             return None
-        at, row_bytes, seen = self._point(address, width * 4)
-        if first < 0 or first + k > seen.shape[0]:
+        at, row_bytes, written = self._point(address, width * 4)
+        if first < 0 or first + k > written.n:
             return None
         return at + first * row_bytes
 
     def mark(self, address: Address, first: int, k: int) -> None:
         """Positions ``first .. first + k - 1`` of ``address`` are written (see ``place``)."""
-        self.seen[address][first:first + k] = True
+        self.points[address][2].mark(first, first + k)
 
-    def _point(self, address: Address, row_bytes: int) -> tuple[int, int, np.ndarray]:
+    def _point(self, address: Address, row_bytes: int) -> tuple[int, int, _Written]:
         """Where ``address``'s rows start in the file, their size, and which are written (its
         first rows: checked to fit the file)."""
         known = self.points.get(address)
         if known is None or known[1] != row_bytes:
-            at, n = self.sink.offsets[str(address)], self.sink.positions
-            widths = self.sink.widths
-            if widths is not None and 4 * widths[str(address)] != row_bytes:
+            key, sink = str(address), self.sink
+            at, n = sink.offsets[key], sink.positions
+            if sink.widths is not None and 4 * sink.widths[key] != row_bytes:
                 raise ValueError(f"{address}: rows of {row_bytes // 4} floats, but the client sized its sink "
-                                 f"for {widths[str(address)]}")
+                                 f"for {sink.widths[key]}")
             if at + n * row_bytes > self.size:
                 raise ValueError(f"{address}: {n} rows of {row_bytes} bytes at byte {at} end past the end of "
-                                 f"{self.sink.path} ({self.size} bytes)")
-            seen = self.seen.get(address)
-            known = self.points[address] = (at, row_bytes, seen if seen is not None else np.zeros(n, dtype=bool))
-            self.seen[address] = known[2]
+                                 f"{sink.path} ({self.size} bytes)")
+            known = self.points[address] = (at, row_bytes, known[2] if known is not None else _Written(n))
         return known
+
+    def written(self, address: Address) -> int:
+        """How many positions of ``address`` were written."""
+        known = self.points.get(address)
+        return 0 if known is None else known[2].count()
 
     def complete(self, address: Address, rows: int) -> bool:
         """Whether positions ``0 .. rows - 1`` of ``address`` were all written."""
         if rows <= 0:
             return True
-        seen = self.seen.get(address)
-        return seen is not None and rows <= seen.shape[0] and bool(seen[:rows].all())
+        known = self.points.get(address)
+        return known is not None and known[2].complete(rows)
 
     def close(self) -> None:
         """No more rows come (the request ended): let the file go; what was written is kept."""

@@ -25,9 +25,10 @@ import base64
 import math
 import numbers
 import os
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any
 
 import torch
 
