@@ -484,3 +484,27 @@ def test_both_backends_stop_at_the_end_of_the_context(model_pool):
 def test_bad_engine_arguments_are_named_before_any_engine_starts(kwargs, match):
     with pytest.raises(TypeError, match=match):
         load_model(tiny_model("qwen3"), backend="vllm", **kwargs)
+
+
+def test_each_request_gets_sampling_params_equal_to_freshly_built_ones_and_shares_nothing(model_pool):
+    """SamplingParams are built once per sampling config and copied per request: each copy must
+    be what building them afresh gives (with its own plan in extra_args), and own every
+    container vLLM's input processor edits in place, even after a request went through it."""
+    from interp_engine._sampling import SamplingConfig
+
+    vllm = model_pool.get("qwen3", "vllm", enable_prompt_embeds=True)
+    backend = vllm.backend
+    config = SamplingConfig(max_tokens=3, temperature=0.0, stop_token_ids=(7, 9), min_tokens=1)
+    first = backend._sampling_params(config, None)
+    backend._engine().generate([{"prompt_token_ids": vllm.to_tokens(PROMPTS[0])[0].tolist()}], first,
+                               use_tqdm=False)  # vLLM's input processor edits it in place
+    second = backend._sampling_params(config, {"interp_engine": {"rid": "b"}})
+    fresh = backend._new_sampling_params(config, True)
+    for name in type(fresh).__struct_fields__:
+        if name != "extra_args":
+            assert getattr(second, name) == getattr(fresh, name), name
+    assert second.extra_args == {"interp_engine": {"rid": "b"}} and first.extra_args is None
+    assert second._all_stop_token_ids is not first._all_stop_token_ids
+    assert second.stop_token_ids is not first.stop_token_ids
+    other = backend._sampling_params(SamplingConfig(max_tokens=4, temperature=0.0), None)
+    assert other.max_tokens == 4 and other.extra_args is None and second.max_tokens == 3
