@@ -146,10 +146,10 @@ class StaticTaps:
     # ---- requests: slots in the steering banks -----------------------------------------
     def admit(self, request) -> None:
         """Give ``request``'s writes their slots (raises when a site is not declared or full).
-        A one-vector op whose vector, op and scale another request in flight already holds
-        shares that request's slot (requests steering with one SteerSpec decode to one vector in
-        the worker): it writes nothing, takes no slot of its own, and its rows can join its
-        neighbours' in one slice add."""
+        A one-vector op whose op, coefficients and vector object another request in flight
+        already holds shares that request's slot (requests steering with one SteerSpec decode to
+        one vector object in the worker; an add's scale is inside its vector): it writes
+        nothing, takes no slot of its own, and its rows can join its neighbours' in one slice add."""
         for address in request.plan.reads:
             if address not in self.taps:
                 raise ValueError(f"{address} is not a declared static tap (declared: {[str(a) for a in self.taps]})")
