@@ -24,7 +24,7 @@ import os
 
 import torch
 
-from _timing import gathered, interleaved_medians, report
+from _timing import LAST_REPEATS, gathered, interleaved_medians, report
 
 
 def main() -> None:
@@ -33,6 +33,8 @@ def main() -> None:
     parser.add_argument("--variant", default="tiny")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--min-seconds", type=float, default=3.0,
+                        help="more rounds for rows whose --repeats rounds would take less (prefill rows)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -90,9 +92,9 @@ def main() -> None:
                 f"vllm-static, steer {site}": steered(static),
                 "hooks (vllm), capture resid_post x all": capture(hooks),
                 f"hooks (vllm), steer {site}": steered(hooks),
-            }, repeats=args.repeats, warmup=2)
+            }, repeats=args.repeats, warmup=2, min_seconds=args.min_seconds)
             what = f"{tokens} greedy tokens" if tokens > 1 else "prefill only (1 token)"
-            report(f"{n_req} concurrent request(s), {what}", medians, "plain compiled vLLM (llm.generate)",
+            report(f"{n_req} concurrent request(s), {what}; medians of {LAST_REPEATS[0]} rounds", medians, "plain compiled vLLM (llm.generate)",
                    {"vllm-static, capture resid_post x all": "<= 1.15",
                     f"vllm-static, steer {site}": "<= 1.05"})
             # what the compiled taps and sites themselves cost: the same driver with no plan

@@ -27,7 +27,7 @@ import os
 
 import torch
 
-from _timing import gathered, interleaved_medians
+from _timing import LAST_REPEATS, gathered, interleaved_medians
 
 TARGETS = {"capture": 1.15, "steer": 1.05}
 
@@ -82,7 +82,8 @@ def _shape(name: str, in_process: bool, args) -> dict[str, dict[str, float]]:
             "steer": through(lambda p: model.generate_full(p, max_tokens=n, temperature=0.0, stop_at_eos=False,
                                                            steer=spec)),
         }
-        results[f"{name}, {batch} request{'s' if batch > 1 else ''}"] = interleaved_medians(fns, repeats=args.repeats)
+        medians = interleaved_medians(fns, repeats=args.repeats, min_seconds=args.min_seconds)
+        results[f"{name}, {batch} request{'s' if batch > 1 else ''} ({LAST_REPEATS[0]} rounds)"] = medians
 
     del eager, compiled
     model.close()
@@ -98,6 +99,8 @@ def main() -> None:
                         help="full: a realistic size (GPT-2 small, or Pythia-160M's shape with --arch gpt_neox)")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--min-seconds", type=float, default=3.0,
+                        help="more rounds for rows whose --repeats rounds would take less (1-request rows)")
     parser.add_argument("--shapes", default="in-process,multiprocess")
     args = parser.parse_args()
     args.arch = args.arch or ("gpt2" if args.size == "full" else "qwen3")
@@ -109,13 +112,13 @@ def main() -> None:
         results.update(_shape(shape, shape == "in-process", args))
 
     print(f"\nvLLM runtime cost, {args.arch} {args.variant}, {args.tokens} greedy tokens per request; "
-          f"medians of {args.repeats} interleaved rounds; ratio = median / plain eager vLLM")
+          f"medians of at least {args.repeats} interleaved rounds (as many as fill {args.min_seconds:g} s); ratio = median / plain eager vLLM")
     cols = ["plain eager vLLM", "plain compiled vLLM", "no plan", "capture", "steer"]
-    print(f"  {'':<28}" + "".join(f"{c:>21}" for c in cols))
+    print(f"  {'':<40}" + "".join(f"{c:>21}" for c in cols))
     for row, medians in results.items():
         base = medians["plain eager vLLM"]
         cells = "".join(f"{medians[c] * 1e3:11.1f} ms {medians[c] / base:5.2f}x" for c in cols)
-        print(f"  {row:<28}{cells}")
+        print(f"  {row:<40}{cells}")
     print("  targets: " + ", ".join(f"{k} <= {v:.2f}x" for k, v in TARGETS.items()))
     for row, medians in results.items():
         base = medians["plain eager vLLM"]
