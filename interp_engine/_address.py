@@ -61,8 +61,28 @@ class Address:
             if self.stream < 0:
                 raise ValueError(f"Address stream must be >= 0, got {self.stream}")
 
+    # hash and text are computed once per Address: plans, caches and row maps key dicts by
+    # addresses, dozens of lookups per request. They are kept in the instance's __dict__ (not
+    # fields: equality, repr and dataclasses.fields ignore them) and never pickled, since a
+    # str's hash differs from one process to the next.
+    def __hash__(self) -> int:
+        try:
+            return self.__dict__["_hash"]
+        except KeyError:
+            value = hash((self.name, self.layer, self.stream))
+            object.__setattr__(self, "_hash", value)
+            return value
+
     def __str__(self) -> str:
-        return format_address(self)
+        try:
+            return self.__dict__["_text"]
+        except KeyError:
+            text = format_address(self)
+            object.__setattr__(self, "_text", text)
+            return text
+
+    def __reduce__(self):
+        return (Address, (self.name, self.layer, self.stream))
 
     def __lt__(self, other: object) -> bool:
         if not isinstance(other, Address):

@@ -67,6 +67,26 @@ class Cache:
 
     def __post_init__(self) -> None:
         values = {to_address(a): t for a, t in dict(self._values).items()}
+        if not self._shapes_match(values):
+            self._check_dims(values)
+        object.__setattr__(self, "_values", MappingProxyType(values))
+
+    def _shapes_match(self, values: dict[Address, Any]) -> bool:
+        """Whether every value is a tensor of exactly the shape the graph gives its address at
+        the mask's batch and pos: the usual case, checked by comparing whole shapes. False
+        sends the values through ``_check_dims``, which says what is wrong (or accepts what
+        only agrees by dimension name: no graph, no mask, a dimension the graph sizes 0)."""
+        graph, mask = self.graph, self.attention_mask
+        if graph is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+            return False
+        batch, pos = int(mask.shape[0]), int(mask.shape[1])
+        for address, t in values.items():
+            graph.check_address(address)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != graph.shape_of(address, batch, pos):
+                return False
+        return True
+
+    def _check_dims(self, values: dict[Address, Any]) -> None:
         sizes: dict[str, int] = {}
         if self.graph is not None:
             from ._shapes import model_dims
@@ -93,7 +113,6 @@ class Cache:
                     expected = [sizes.get("pos" if d == "key_pos" else d, d) for d in dims]
                     raise ValueError(f"cache value for {address} has shape {list(t.shape)}, expected "
                                      f"{expected} ([{', '.join(dims)}]); {dim} is {sizes[dim]} here")
-        object.__setattr__(self, "_values", MappingProxyType(values))
 
     def __getitem__(self, key: AddressLike) -> torch.Tensor:
         address = to_address(key)

@@ -146,11 +146,20 @@ class ModelGraph:
         return address
 
     def shape_of(self, address: Address, batch: int, pos: int) -> tuple[int, ...]:
-        dims = self.point(address.name).dims
-        if address.stream is not None:
-            dims = tuple(d for d in dims if d != "n_streams")
+        key = (address.name, address.stream is None)
+        sized = self._sized_dims.get(key)
+        if sized is None:  # the point's dims, model sizes filled in (batch and pos by name)
+            dims = self.point(address.name).dims
+            if address.stream is not None:
+                dims = tuple(d for d in dims if d != "n_streams")
+            sized = self._sized_dims[key] = tuple(d if d in ("batch", "pos", "key_pos") else self.dim_size(d)
+                                                  for d in dims)
         sizes = {"batch": batch, "pos": pos, "key_pos": pos}
-        return tuple(sizes[d] if d in sizes else self.dim_size(d) for d in dims)
+        return tuple(sizes[d] if d.__class__ is str else d for d in sized)
+
+    @cached_property
+    def _sized_dims(self) -> dict:
+        return {}  # (point name, whole stack) -> its dims, model sizes filled in (shape_of)
 
     def dim_size(self, dim: str) -> int:
         """The size of a model dimension (not batch/pos) on this graph."""

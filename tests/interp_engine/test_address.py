@@ -4,6 +4,10 @@ and list what is valid; layer ranges checked against a model graph."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import pickle
+import subprocess
+import sys
 
 import pytest
 from hypothesis import given
@@ -23,6 +27,21 @@ def test_frozen_and_hashable():
     assert {a: 1}[Address("resid_post", 3)] == 1
     assert len({a, Address("resid_post", 3), Address("resid_post", 4)}) == 2
     assert Address("resid_streams", 1, 2) != Address("resid_streams", 1)
+
+
+def test_an_address_pickled_in_one_process_is_found_by_its_content_in_another():
+    # each address keeps its hash once computed; a str's hash differs between processes, so a
+    # pickle that carried it would file the address under a stale hash in a dict rebuilt there
+    a = Address("resid_post", 3)
+    assert hash(a) == hash(Address("resid_post", 3)) and str(a) == "resid_post.3"
+    blob = pickle.dumps({a: 1, Address("z", 0): 2})
+    probe = ("import pickle, sys; from interp_engine import Address; "
+             "d = pickle.loads(sys.stdin.buffer.read()); "
+             "print(d[Address('resid_post', 3)], d[Address('z', 0)], Address('z', 0) in set(d))")
+    for seed in ("1", "2"):
+        out = subprocess.run([sys.executable, "-c", probe], input=blob, capture_output=True, check=True,
+                             env={**os.environ, "PYTHONHASHSEED": seed})
+        assert out.stdout.split() == [b"1", b"2", b"True"]
 
 
 @pytest.mark.parametrize("text, expected", [
@@ -189,6 +208,21 @@ def test_check_address_stream_range(graphs):
 
 
 # ---- point patterns ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stream_first", [True, False])
+def test_shape_of_a_stream_drops_the_stream_axis_whichever_is_asked_first(graphs, stream_first):
+    # shape_of keeps each point's sized dims once asked: the whole stack and one stream of it
+    # are two entries (a fresh graph each time, so the order asked is the one tested)
+    from dataclasses import replace
+
+    graph = replace(graphs["deepseek_v4"])
+    n = graph.residual_basis.n_streams
+    assert n > 1
+    whole, one = Address("resid_streams", 1), Address("resid_streams", 1, 0)
+    for address in ((one, whole) if stream_first else (whole, one)):
+        expected = (2, 5, n, graph.d_model) if address.stream is None else (2, 5, graph.d_model)
+        assert graph.shape_of(address, 2, 5) == expected
+
 
 def test_patterns_expand_to_the_models_addresses_in_run_with_cache(eager_models):
     import torch
