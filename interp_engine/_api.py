@@ -326,8 +326,9 @@ async def _agen_steps(model: Model, prompt: list[int] | None, config: SamplingCo
                       embeds: torch.Tensor | None = None, capture: Any = None, streaming: bool = True
                       ) -> AsyncIterator[list[tuple[GenStep, str | None]]]:
     """The request's generated tokens as the backend hands them over: a list per engine output
-    (one token per step when streaming; every token at once at the end when not)."""
-    _refuse(model, plan)
+    (one token per step when streaming; every token at once at the end when not). Its callers
+    have refused ``plan`` already (``_request``), when they were called, before any coroutine
+    runs."""
     # streaming: each token's text as it comes; else (a whole result, whose texts are only
     # ever joined) the last token carries the text of them all, decoded once
     deltas = _TextDeltas(model) if streaming else None
@@ -346,10 +347,15 @@ async def _agen_steps(model: Model, prompt: list[int] | None, config: SamplingCo
                             raw.logprobs, raw.logits, raw.logprob), raw.finish_reason) for raw in raws]
 
 
-def _request(model: Model, token_ids: Tokens, steer_spec: SteerSpec | None, **sampling):
+def _request(model: Model, token_ids: Tokens, steer_spec: SteerSpec | None,
+             points: Sequence[AddressLike] | AddressLike | None = None, **sampling):
+    """One request's prompt ids, sampling and plan (``points`` captured, ``steer_spec`` and the
+    steering in force applied), the plan refused here if the backend cannot serve it."""
     prompt = _prompt_ids(model, token_ids)
     config = _sampling(model, len(prompt), **sampling)
     plan = _plan(model, None, steer_spec)
+    if points is not None:
+        plan = capture_plan(model.graph, points) | plan
     _refuse(model, plan)
     return prompt, config, plan
 
@@ -450,11 +456,9 @@ def _capture_generation(self: Model, token_ids: Tokens, points: Sequence[Address
     """The async capture method (a coroutine): generate and capture ``points`` in one request,
     alongside other requests. Returns the Completion and a plain dict keyed by Address (a string
     key is a KeyError), rows ``[1, len(prompt) + len(generated) - 1, ...]``."""
-    prompt, config, plan = _request(self, token_ids, steer, max_tokens=max_tokens,
+    prompt, config, plan = _request(self, token_ids, steer, points, max_tokens=max_tokens,
                                     temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                     stop_at_eos=stop_at_eos, seed=seed, n_logprobs=n_logprobs)
-    plan = capture_plan(self.graph, points) | plan
-    _refuse(self, plan)
 
     async def run() -> tuple[Completion, dict[Address, torch.Tensor]]:
         capture = self.backend.new_capture()

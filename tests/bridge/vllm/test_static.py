@@ -80,6 +80,15 @@ def test_what_it_serves_is_known_before_warmup_and_undeclared_work_is_refused():
         with steer(model, SteerSpec.add("attn_out.0", torch.ones(model.d_model))):
             pass
     assert "static_writes" in str(info.value) and "resid_post.1" in str(info.value)
+    # the async methods refuse when called, before their coroutine (or any forward) runs
+    ids = tokens[0].tolist()
+    with pytest.raises(CapabilityUnsupported, match="static_points="):
+        model.capture_generation(ids, ["resid_post.1", "resid_post.0"], max_tokens=2)
+    with pytest.raises(CapabilityUnsupported, match="static_writes"):
+        model.capture_generation(ids, ["resid_post.1"], steer=SteerSpec.add("attn_out.0", torch.ones(model.d_model)))
+    for method in (model.generate_text, model.generate_full, model.generate_stream):
+        with pytest.raises(CapabilityUnsupported, match="static_writes"):
+            method(ids, steer=SteerSpec.add("attn_out.0", torch.ones(model.d_model)))
     two = SteerSpec.add("resid_post.1", torch.ones(model.d_model)) | SteerSpec.ablate("resid_post.1",
                                                                                       torch.ones(model.d_model))
     with pytest.raises(CapabilityUnsupported, match="two steering ops at resid_post.1"):
