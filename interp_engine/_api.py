@@ -353,9 +353,7 @@ def _request(model: Model, token_ids: Tokens, steer_spec: SteerSpec | None,
     steering in force applied), the plan refused here if the backend cannot serve it."""
     prompt = _prompt_ids(model, token_ids)
     config = _sampling(model, len(prompt), **sampling)
-    plan = _plan(model, None, steer_spec)
-    if points is not None:
-        plan = capture_plan(model.graph, points) | plan
+    plan = _plan(model, points, steer_spec)
     _refuse(model, plan)
     return prompt, config, plan
 

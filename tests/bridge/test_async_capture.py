@@ -37,6 +37,18 @@ def test_async_capture_is_a_plain_dict_equal_to_the_sync_capture(model):
         torch.testing.assert_close(tensor, cache[address], atol=1e-5, rtol=1e-5)
 
 
+def test_async_capture_takes_point_patterns_as_the_sync_capture_does(model):
+    tokens = model.to_tokens(PROMPTS[1])
+    completion, values = asyncio.run(model.capture_generation(tokens, ["resid_post.*", "z.1"], max_tokens=3,
+                                                              temperature=0.0))
+    expected = [Address("resid_post", layer) for layer in range(model.n_layers)] + [Address("z", 1)]
+    assert list(values) == expected
+    _, cache = capture_generation(model, tokens, ["resid_post.*", "z.1"], max_tokens=3, temperature=0.0)
+    assert list(cache) == expected
+    for address in expected:
+        torch.testing.assert_close(values[address], cache[address], atol=1e-5, rtol=1e-5)
+
+
 def test_concurrent_async_captures_keep_to_their_request(model):
     spec = SteerSpec.add("resid_post.1", torch.ones(model.d_model), scale=2.0)
     jobs = [(model.to_tokens(p), spec if i == 1 else None) for i, p in enumerate(PROMPTS)]
