@@ -163,15 +163,19 @@ class ModelGraph:
 
     def dim_size(self, dim: str) -> int:
         """The size of a model dimension (not batch/pos) on this graph."""
-        sizes = {
+        sizes = self._dim_sizes
+        if dim not in sizes:
+            raise ValueError(f"unknown model dimension {dim!r}; known: {', '.join(sizes)}")
+        return sizes[dim]
+
+    @cached_property
+    def _dim_sizes(self) -> dict[str, int]:
+        return {
             "d_model": self.d_model, "d_vocab": self.d_vocab, "n_heads": self.n_heads,
             "n_kv_heads": self.n_kv_heads, "d_head": self.d_head, "d_mlp": self.d_mlp or 0,
             "n_experts": self.n_experts, "top_k": self.top_k,
             "n_streams": self.residual_basis.n_streams,
         }
-        if dim not in sizes:
-            raise ValueError(f"unknown model dimension {dim!r}; known: {', '.join(sizes)}")
-        return sizes[dim]
 
     def with_points(self, table: tuple[PointSpec, ...]) -> "ModelGraph":
         """This graph serving ``table``, less the points it has at no layer (the dense-MLP

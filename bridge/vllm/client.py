@@ -42,7 +42,7 @@ from specs import ArchSpec
 
 from ..outputs import full_output
 from .sink import rows_are_values
-from .wire import merge_ranks, plan_to_wire, tensor_from_wire, tensor_to_wire
+from .wire import merge_ranks, plan_to_wire, point_width, tensor_from_wire, tensor_to_wire
 
 __all__ = ["VllmBackend", "check_engine_kwargs"]
 
@@ -236,6 +236,7 @@ class VllmBackend:
         self._board = None  # where the workers report write-only plans (board.py), once started
         self._spill = None  # where multiprocess workers write a collect's rows (spill.py), once started
         self._params: dict[tuple[SamplingConfig, bool], Any] = {}  # vLLM SamplingParams per config (checked once)
+        self._inbox_plans: dict[tuple, dict | None] = {}  # reads -> their widths, if inboxed (_inbox_widths)
         self._inbox = None  # where multiprocess workers write a prompt's captured rows (inbox.py)
         self._lock = threading.RLock()  # one caller inside the engine at a time
         self._wake = threading.Condition()
@@ -530,8 +531,8 @@ class VllmBackend:
         rid = f"{_PROCESS}{n:x}"  # unique across clients of one worker (os.urandom per request is slow)
         slot = region = None
         if rows_to is None and capture is not None and config.max_tokens == 1 and self._inbox is not None \
-                and self._inboxes(plan):
-            region = self._region(plan, prompt_len)
+                and (widths := self._inbox_widths(plan)) is not None:
+            region = self._region(plan, prompt_len, widths)
             if region is not None:
                 rows_to = {"path": self._inbox.path, "positions": prompt_len,
                            "offsets": {str(a): at for a, at in region.at.items()},
@@ -568,11 +569,21 @@ class VllmBackend:
         return (bool(plan.reads) and self.sinks(plan) and self._boards(plan)
                 and not any(a.name in _NOT_INBOX for a in plan.reads))
 
-    def _region(self, plan: Plan, rows: int) -> _Region | None:
-        """A region of the inbox for ``rows`` rows of each of ``plan``'s reads (None: no room)."""
-        from .wire import point_width
+    def _inbox_widths(self, plan: Plan) -> dict[Address, int] | None:
+        """Each read's row width, where ``plan``'s rows can come through the inbox (None where
+        they cannot: ``_inboxes``); worked out once per set of reads (a running engine's)."""
+        reads = plan.reads
+        widths = self._inbox_plans.get(reads, False)
+        if widths is False:
+            widths = {a: point_width(self.graph, a.name) for a in reads} if self._inboxes(plan) else None
+            if len(self._inbox_plans) >= 64:
+                self._inbox_plans.clear()
+            self._inbox_plans[reads] = widths
+        return widths
 
-        widths = {a: point_width(self.graph, a.name) for a in plan.reads}
+    def _region(self, plan: Plan, rows: int, widths: dict[Address, int]) -> _Region | None:
+        """A region of the inbox for ``rows`` rows of each of ``plan``'s reads, ``widths`` floats
+        wide (None: no room)."""
         at, size = {}, 0
         for a in plan.reads:
             at[a], size = size, size + 4 * rows * widths[a]
@@ -761,7 +772,6 @@ class VllmBackend:
         if self._spill is None:
             return None
         from .spill import MIN_BYTES
-        from .wire import point_width
 
         try:
             size = self.dtype.itemsize * sum((r.prompt_len + r.generated - 1)
@@ -877,9 +887,10 @@ class VllmBackend:
         if region is None:
             return merge_ranks(request.plan.reads, results)
         sent = {key for r in results for key in r.get("values", {})}
-        values = merge_ranks([a for a in request.plan.reads if str(a) in sent], results)
         rows = request.prompt_len + request.generated - 1
-        for a in request.plan.reads:
+        reads = request.plan.reads
+        values = merge_ranks([a for a in reads if str(a) in sent], results) if sent else {}
+        for a in reads:
             if str(a) not in sent:
                 values[a] = self._inbox.read(region.at[a], rows, region.widths[a], self.dtype)
         self._region_done(request)

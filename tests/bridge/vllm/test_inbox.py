@@ -116,6 +116,25 @@ def test_prompt_captures_come_through_the_inbox_without_a_collect_rpc_and_equal_
     assert _whole(vllm.backend)
 
 
+@pytest.mark.vllm
+def test_each_set_of_points_gets_its_own_layout_and_a_pattern_still_comes_by_the_rpc(pair, monkeypatch):
+    # the client works out once per set of reads whether (and how wide) its rows come through
+    # the inbox: sets of one size, of other widths, and one that cannot use it, one after another
+    eager, vllm = pair
+    calls = _rpcs(vllm.backend, monkeypatch)
+    prompt = PROMPTS[0]
+    for points in ([Address("z", 1), Address("mlp_act", 1)], [Address("resid_post", 0), Address("z", 0)],
+                   [Address("mlp_act", 0), Address("attn_out", 0)]):
+        cache = run_with_cache(vllm, vllm.to_tokens(prompt), points)
+        _assert_equal({a: cache[a] for a in points}, _eager(eager, prompt, points))
+    assert calls == []
+    points = [Address("resid_post", 0), Address("pattern", 1)]  # a pattern is rebuilt from q | k: by rpc
+    cache = run_with_cache(vllm, vllm.to_tokens(prompt), points)
+    _assert_equal({a: cache[a] for a in points}, _eager(eager, prompt, points))
+    assert len(calls) == 1
+    assert _whole(vllm.backend)
+
+
 def _board_says_nothing(backend, monkeypatch) -> None:
     """The workers write the rows into the inbox, but the client never sees their OK."""
     monkeypatch.setattr(backend._board, "ok", lambda slot: False)
