@@ -42,7 +42,7 @@ from specs import ArchSpec
 
 from ..outputs import full_output
 from .sink import rows_are_values
-from .wire import merge_ranks, plan_to_wire, point_width, tensor_from_wire, tensor_to_wire
+from .wire import memo_get, merge_ranks, plan_to_wire, point_width, tensor_from_wire, tensor_to_wire
 
 __all__ = ["VllmBackend", "check_engine_kwargs"]
 
@@ -479,13 +479,8 @@ class VllmBackend:
         integers past 64 bits, which a plan from ``plan_to_wire`` never holds: its integers are
         byte offsets, positions and sizes). The copy gets its own containers where vLLM's input
         processor edits them in place (the set of stop ids), so no request sees another's."""
-        key = (config, streaming)
-        template = self._params.get(key)
-        if template is None:
-            template = self._new_sampling_params(config, streaming)
-            if len(self._params) >= 64:
-                self._params.clear()
-            self._params[key] = template
+        template = memo_get(self._params, (config, streaming),
+                            lambda: self._new_sampling_params(config, streaming), limit=64)
         params = copy.copy(template)
         params.extra_args = extra
         params.stop_token_ids = list(template.stop_token_ids)
@@ -572,14 +567,9 @@ class VllmBackend:
     def _inbox_widths(self, plan: Plan) -> dict[Address, int] | None:
         """Each read's row width, where ``plan``'s rows can come through the inbox (None where
         they cannot: ``_inboxes``); worked out once per set of reads (a running engine's)."""
-        reads = plan.reads
-        widths = self._inbox_plans.get(reads, False)
-        if widths is False:
-            widths = {a: point_width(self.graph, a.name) for a in reads} if self._inboxes(plan) else None
-            if len(self._inbox_plans) >= 64:
-                self._inbox_plans.clear()
-            self._inbox_plans[reads] = widths
-        return widths
+        def widths() -> dict[Address, int] | None:
+            return {a: point_width(self.graph, a.name) for a in plan.reads} if self._inboxes(plan) else None
+        return memo_get(self._inbox_plans, plan.reads, widths, limit=64)
 
     def _region(self, plan: Plan, rows: int, widths: dict[Address, int]) -> _Region | None:
         """A region of the inbox for ``rows`` rows of each of ``plan``'s reads, ``widths`` floats

@@ -37,8 +37,8 @@ from interp_engine._ops import effective_vector
 from interp_engine._plan import (EXPERT_OPS, OPS, VECTORLESS, Plan, _norm_positions, is_write_site, unit_dims,
                                  write_sites)
 
-__all__ = ["KEY", "FLAT_KEYS", "PlanError", "VectorRegistry", "WireOp", "WirePlan", "WireSink", "plan_from_args",
-           "plan_to_wire", "tensor_from_wire", "tensor_to_wire"]
+__all__ = ["KEY", "FLAT_KEYS", "PlanError", "VectorRegistry", "WireOp", "WirePlan", "WireSink", "memo_get",
+           "plan_from_args", "plan_to_wire", "tensor_from_wire", "tensor_to_wire"]
 
 KEY = "interp_engine"
 VERSION = 1
@@ -334,7 +334,7 @@ def _write_once(entry, graph, registry: VectorRegistry, memo: dict | None) -> Wi
         hash(key)
     except TypeError:  # nested lists (a per-position vector sent as floats): decode it afresh
         return _write(entry, graph, registry)
-    return _memo_get(memo, key, lambda: _write(entry, graph, registry))
+    return memo_get(memo, key, lambda: _write(entry, graph, registry))
 
 
 def _reads(values, graph) -> tuple[Address, ...]:
@@ -351,15 +351,20 @@ def _reads_once(values, graph, memo: dict | None) -> tuple[Address, ...]:
     request of a capture loop sends the same list). Only strings are kept, and only valid lists."""
     if memo is None or not values or not all(type(v) is str for v in values):
         return _reads(values, graph)
-    return _memo_get(memo, ("reads", *values), lambda: _reads(values, graph))  # a write's key: pairs, never this
+    return memo_get(memo, ("reads", *values), lambda: _reads(values, graph))  # a write's key: pairs, never this
 
 
-def _memo_get(memo: dict, key: tuple, decode: Callable[[], Any]) -> Any:
-    """``memo[key]``, decoded (and kept) if missing; a decode that raises keeps nothing."""
-    value = memo.get(key)
-    if value is None:
-        value = decode()
-        if len(memo) >= _MEMO_MAX:
+_MISSING = object()
+
+
+def memo_get(memo: dict, key: Any, make: Callable[[], Any], limit: int = _MEMO_MAX) -> Any:
+    """``memo[key]``, made (and kept) if missing; a ``make`` that raises keeps nothing. A memo
+    holding ``limit`` entries is cleared first: the keys in use are few, and an unbounded one
+    would grow with every distinct key a long-running process sees."""
+    value = memo.get(key, _MISSING)
+    if value is _MISSING:
+        value = make()
+        if len(memo) >= limit:
             memo.clear()
         memo[key] = value
     return value
