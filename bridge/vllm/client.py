@@ -237,7 +237,7 @@ class VllmBackend:
         self._spill = None  # where multiprocess workers write a collect's rows (spill.py), once started
         self._params: dict[tuple[SamplingConfig, bool], Any] = {}  # vLLM SamplingParams per config (checked once)
         self._inbox_plans: dict[tuple, dict | None] = {}  # reads -> their widths, if inboxed (_inbox_widths)
-        self._inbox = None  # where multiprocess workers write a prompt's captured rows (inbox.py)
+        self._inbox = None  # where multiprocess workers write a capture's rows (inbox.py)
         self._lock = threading.RLock()  # one caller inside the engine at a time
         self._wake = threading.Condition()
         self._requests: dict[str, _Request] = {}
@@ -525,13 +525,17 @@ class VllmBackend:
         n = next(_ids)
         rid = f"{_PROCESS}{n:x}"  # unique across clients of one worker (os.urandom per request is slow)
         slot = region = None
-        if rows_to is None and capture is not None and config.max_tokens == 1 and self._inbox is not None \
+        if rows_to is None and capture is not None and self._inbox is not None \
                 and (widths := self._inbox_widths(plan)) is not None:
-            region = self._region(plan, prompt_len, widths)
+            # room for every position it can reach (the final token is never fed); a generation's
+            # rows are held in the workers and written at once at its last position (WireSink.hold)
+            positions = prompt_len + config.max_tokens - 1
+            region = self._region(plan, positions, widths)
             if region is not None:
-                rows_to = {"path": self._inbox.path, "positions": prompt_len,
+                rows_to = {"path": self._inbox.path, "positions": positions,
                            "offsets": {str(a): at for a, at in region.at.items()},
-                           "widths": {str(a): w for a, w in region.widths.items()}}
+                           "widths": {str(a): w for a, w in region.widths.items()},
+                           "hold": config.max_tokens > 1}
         if self._board is not None and ((plan.writes and not plan.reads)
                                         or (rows_to is not None and self._boards(plan))):
             with self._wake:

@@ -1,13 +1,18 @@
-"""A prompt's captured rows straight into a file the client maps: no collect rpc.
+"""A capture's rows straight into a file the client maps: no collect rpc.
 
 A capture request of a multiprocess engine gets its rows through the collect rpc when it ends:
 client, engine core, workers and back, about 1.5 ms on CPU, on top of a sixteen-prompt prefill
-step of about 9 ms. A one-token request (``run_with_cache``, a prompt's capture) reads every
-row in its prefill, so its workers can write them where the client reads them, as harvest's do
-(sink.py: each forward's rows at their positions, float32), and say on the status board
-(board.py) that every row is in: the client then copies them out of its mapping, with no rpc.
-Anything else on the board (a failure, a worker on another machine that cannot open the file)
-falls back to the collect rpc, whose answer holds the error or the rows.
+step of about 9 ms. Instead its workers can write the rows where the client reads them, as
+harvest's do (sink.py, float32), and say on the status board (board.py) that every row is in:
+the client then copies them out of its mapping, with no rpc.
+- A one-token request (``run_with_cache``, a prompt's capture) reads every row in its prefill:
+  each forward's rows go in at their positions.
+- A generation's rows are held in the workers' buffers as they are read (a write per request,
+  point and step would cost more than the rpc saves) and written at once, one write per point,
+  by the forward that reads its last position (``WireSink.hold``).
+Anything else on the board (a failure, a generation that stopped before ``max_tokens``, a
+worker on another machine that cannot open the file) falls back to the collect rpc, whose
+answer holds the error or the rows.
 
 ``Inbox`` is that file: one per engine, sparse, cut into regions first fit. A region is one
 request's sink (each read's rows in turn). It is reserved in the file (``posix_fallocate``) when

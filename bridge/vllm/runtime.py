@@ -82,6 +82,9 @@ class _Request:
     report: Callable[[int], object] | None = None
     served: bool = False  # OK is on the board: nobody collects it, the runtime frees it itself
     sunk: set = field(default_factory=set)  # a harvest plan on the board: reads whose rows are all in
+    # its sink asks to hold the rows (WireSink.hold): buffered as they are read, each read's rows
+    # written into the sink at once by the forward that reads its last position (flush_held)
+    held: bool = False
 
     def fail(self, error: str) -> None:
         """Serving this request failed (the first error is the one kept): its client's to see."""
@@ -249,7 +252,9 @@ class Runtime:
         self.static = None  # vllm-static: the declared taps compiled into the graph (static_taps)
         self.routing: tuple[int, bool] | None = None  # MoE (top_k, renormalize): bridge/vllm/routing.py
         self._graph = None  # the model's sizes, for the parts of fused outputs (see ``graph``)
+        self._holding = False  # some request of the laid-out forward holds its rows (flush_held)
         self._handle = self.root.register_forward_pre_hook(self._on_forward, with_kwargs=True)
+        self._after = self.root.register_forward_hook(self._after_forward)
 
     @property
     def graph(self):
@@ -337,6 +342,7 @@ class Runtime:
                 continue
             self.active.append((request, starts[j], starts[j + 1]))
         self._reading = any(request.plan.reads for request, _, _ in self.active)
+        self._holding = any(request.held for request, _, _ in self.active)
         if self.static is None:
             for request, s, e in self.active:
                 self._plan_rows(request, s, e)
@@ -388,6 +394,7 @@ class Runtime:
                     request.report, request.served = mark, True
             elif all(self._sinks(a) for a in reads) and mark(0):
                 request.report = mark  # a harvest plan: OK once its last rows are in the sink
+                request.held = request.plan.sink.hold
         self.by_rid[plan.rid] = request
         return request
 
@@ -738,7 +745,8 @@ class Runtime:
         """Whether ``request``'s rows of ``address`` go into its sink as they are read (a
         harvest request whose file opens here), not into a buffer: the one rule every read
         path follows, so collect finds them where they went."""
-        return request.plan.sink is not None and request.sink is not False and self._sinks(address)
+        return (request.plan.sink is not None and request.sink is not False and not request.held
+                and self._sinks(address))
 
     def _sinks(self, address: Address) -> bool:
         """Whether this worker writes a harvest request's rows of ``address`` into its sink
@@ -771,6 +779,45 @@ class Runtime:
                 request.sink.close()  # its file is the client's again: no more rows come
                 request.report(OK)  # inside the forward: before this step's outputs leave
 
+    def _after_forward(self, module, args, out):
+        if self._holding and self.static is None:  # (vllm-static: its drain calls flush_held, after the taps)
+            self.flush_held()
+        return None
+
+    def flush_held(self) -> None:
+        """Each held request (``_Request.held``) whose last position this forward read: every
+        read's rows from its buffer into its sink, one write each, then OK on the board. Inside
+        the forward, so before this step's outputs leave: its client reads the rows from the
+        file without a collect rpc. A request that ends sooner (a stop token) never gets here
+        and is collected by rpc, from the same buffers."""
+        if not self._holding or self.pos_np is None:
+            return
+        for request, s, e in self.active:
+            if not request.held or request.served or request.sink is False or request.error is not None or e <= s:
+                continue
+            n = request.plan.sink.positions
+            if int(self.pos_np[e - 1]) != n - 1:
+                continue
+            try:
+                self._flush(request, n)
+            except Exception as exc:  # this request's failure (its client collects the error)
+                self._failed(request, exc)
+
+    def _flush(self, request: _Request, n: int) -> None:
+        buffers = [request.buffers.get(address) for address in request.plan.reads]
+        if any(buffer is None or not buffer.complete(n) for buffer in buffers):
+            return  # a position never seen (prefix caching): collect says so
+        if request.sink is None:
+            try:
+                request.sink = SinkWriter(request.plan.sink, self.sink_files)
+            except FileNotFoundError:  # the client's file is on another machine: collected by rpc
+                request.sink = False
+                return
+        positions = np.arange(n)
+        for address, buffer in zip(request.plan.reads, buffers):
+            request.sink.write(address, buffer.data[:n], positions)
+            self._sunk(request, address, n - 1)
+
     def _sink_together(self, address: Address, rows: torch.Tensor, readers: list) -> list:
         """Harvest readers of a compiled tap (``(request, s, e, offset)``) whose rows follow one
         another both in ``rows`` and in one sink file (the client lays each point's rows out in
@@ -781,7 +828,7 @@ class Runtime:
         for reader in readers:
             request, s, e, offset = reader
             sink = request.sink
-            if request.plan.sink is None or sink is False or e <= s or request.error is not None:
+            if request.plan.sink is None or sink is False or request.held or e <= s or request.error is not None:
                 rest.append(reader)
                 continue
             try:
@@ -991,7 +1038,7 @@ class Runtime:
             for address in request.plan.reads:
                 if not self.store_captures and address.name not in self.rank_shards:
                     continue
-                if request.sink and self._sinks(address):  # written as they were read
+                if request.sink and self._sinks(address) and not request.held:  # written as they were read
                     rows = n_positions if n_positions is not None else request.sink.written(address)
                     if not request.sink.complete(address, rows):
                         out["error"] = (f"{address}: the worker did not write every one of the request's {rows} "
@@ -1011,8 +1058,9 @@ class Runtime:
                     log.exception("interp_engine runtime: %s of request %s", address, rid)
                     out["error"] = f"{address}: {type(exc).__name__}: {exc}"
                     break
-                if sink is not None and address.name not in self.rank_shards:
+                if sink is not None and not request.held and address.name not in self.rank_shards:
                     # whole rows (rank 0 of a replicated point): straight into the client's file
+                    # (a held request collected here ended before its last position: by rpc)
                     try:
                         self._sink(sink, address, value)
                         continue
@@ -1092,6 +1140,7 @@ class Runtime:
 
     def uninstall(self) -> None:
         self._handle.remove()
+        self._after.remove()
         self.sink_files.close_all()
         self.boards.close_all()
         for site in self.sites.values():

@@ -40,6 +40,7 @@ def install_static(runtime: Any, runner: Any) -> None:
             return None
         try:
             taps.drain(runtime._read_tap)
+            runtime.flush_held()  # (each held request failing on its own inside)
         except Exception as exc:  # never into vLLM's forward: fail the readers instead
             for tap in taps.taps.values():
                 for request, *_ in tap.readers:

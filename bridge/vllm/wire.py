@@ -137,12 +137,16 @@ class WireOp:
 class WireSink:
     """Where a harvest request's rows go: ``positions`` rows of each read, as float32, written
     contiguously at ``offsets[address]`` bytes into the file at ``path`` (which the client made
-    and maps). The collect rpc then answers only whether the rows are there."""
+    and maps). The collect rpc then answers only whether the rows are there. ``hold``: the
+    worker keeps the rows in its buffers as they are read and writes each read's rows at once,
+    in the forward that reads the last position (a generation: one write per point, not one per
+    step); a request that ends sooner is collected by rpc."""
 
     path: str
     offsets: Mapping[str, int]
     positions: int
     widths: Mapping[str, int] | None = None  # floats per row of each read, where the client sized it so
+    hold: bool = False
 
 
 @dataclass(frozen=True)
@@ -207,6 +211,8 @@ def plan_to_wire(plan: Plan, rid: str, capture_path: str | None = None, model: s
                         "offsets": {str(k): int(v) for k, v in sink["offsets"].items()}}
         if sink.get("widths") is not None:
             data["sink"]["widths"] = {str(k): int(v) for k, v in sink["widths"].items()}
+        if sink.get("hold"):
+            data["sink"]["hold"] = True
     if board is not None:
         data["board"] = {"path": str(board["path"]), "at": int(board["at"])}
     return data
@@ -499,8 +505,11 @@ def _sink(value, reads: tuple[Address, ...]) -> WireSink:
             isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in widths.values())):
         raise _fail(f"sink widths must map each read ({', '.join(str(a) for a in reads)}) to its floats per "
                     f"row (an int >= 1), got {widths!r}")
+    hold = value.get("hold", False)
+    if not isinstance(hold, bool):
+        raise _fail(f"sink hold must be true or false, got {hold!r}")
     return WireSink(value["path"], MappingProxyType(dict(offsets)), positions,
-                    None if widths is None else MappingProxyType(dict(widths)))
+                    None if widths is None else MappingProxyType(dict(widths)), hold)
 
 
 def merge_ranks(reads: Sequence[Address], results: Sequence[Mapping]) -> dict[Address, torch.Tensor]:

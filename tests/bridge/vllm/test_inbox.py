@@ -1,7 +1,8 @@
-"""The inbox (bridge/vllm/inbox.py): a multiprocess engine's one-token captures come back through
-a file the workers write and the client maps, with no collect rpc, and equal eager's; anything
-the board does not vouch for falls back to the rpc; a region is reused only once nobody reads or
-writes it (after a cancel too)."""
+"""The inbox (bridge/vllm/inbox.py): a multiprocess engine's captures (a prompt's, and a
+generation's, held in the workers until its last position) come back through a file the workers
+write and the client maps, with no collect rpc, and equal eager's; anything the board does not
+vouch for (a generation that stopped early too) falls back to the rpc; a region is reused only
+once nobody reads or writes it (after a cancel too)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,10 @@ import pytest
 import torch
 
 from bridge.vllm.inbox import Inbox
-from interp_engine import Address, run_with_cache
+from interp_engine import Address, capture_generation, run_with_cache
+from interp_engine._plan import capture_plan
+from interp_engine._sampling import SamplingConfig
+from interp_engine.testing import assert_close_scaled
 from tests.bridge.vllm.test_board import _rpcs
 
 PROMPTS = ["Once upon a time, in a land far away, there lived", "The capital of France is", "Hi"]
@@ -97,6 +101,14 @@ def _assert_equal(got: dict, want: dict) -> None:
         torch.testing.assert_close(got[address], value, rtol=1e-5, atol=1e-5, msg=str(address))
 
 
+def _assert_close(got: dict, want: dict) -> None:
+    """Generated positions: decode kernels reduce in another order than eager's (1e-5 of the scale)."""
+    assert set(got) == set(want)
+    for address, value in want.items():
+        assert got[address].dtype == value.dtype, address
+        assert_close_scaled(got[address], value, msg=str(address))
+
+
 @pytest.mark.vllm
 def test_prompt_captures_come_through_the_inbox_without_a_collect_rpc_and_equal_eager(pair, monkeypatch):
     eager, vllm = pair
@@ -135,6 +147,56 @@ def test_each_set_of_points_gets_its_own_layout_and_a_pattern_still_comes_by_the
     assert _whole(vllm.backend)
 
 
+@pytest.mark.vllm
+def test_generation_captures_are_written_once_at_their_last_position_without_a_collect_rpc(pair, monkeypatch):
+    # requests of other lengths in the same steps: each is held in the workers, then written into
+    # its region by the forward that reads its last position (one token: its prefill, as before)
+    eager, vllm = pair
+    points = _points(vllm)
+    lengths = [6, 1, 9]
+    calls = _rpcs(vllm.backend, monkeypatch)
+
+    async def together():
+        return await asyncio.gather(*(vllm.capture_generation(vllm.to_tokens(p), points, max_tokens=n,
+                                                              temperature=0.0, stop_at_eos=False)
+                                      for p, n in zip(PROMPTS, lengths)))
+
+    for prompt, n, (completion, values) in zip(PROMPTS, lengths, asyncio.run(together())):
+        want_completion, want = capture_generation(eager, eager.to_tokens(prompt), points, max_tokens=n,
+                                                   temperature=0.0, stop_at_eos=False)
+        assert completion.token_ids == want_completion.token_ids and len(completion.token_ids) == n
+        _assert_close({a: values[a] for a in points}, {a: want[a] for a in points})
+    assert calls == []  # settled from the board: the rows were read from the inbox
+    assert _whole(vllm.backend)
+
+
+@pytest.mark.vllm
+def test_a_generation_that_stops_before_its_last_position_is_collected_by_rpc(pair, monkeypatch):
+    # its workers never reach the position they would write its rows at: nothing on the board,
+    # and the collect rpc answers with the rows they hold
+    eager, vllm = pair
+    points = _points(vllm)
+    prompt = PROMPTS[1]
+    full, _ = capture_generation(eager, eager.to_tokens(prompt), points, max_tokens=8, temperature=0.0,
+                                 stop_at_eos=False)
+    ids = list(full.token_ids)
+    k = next(i for i in range(1, len(ids)) if ids[i] not in ids[:i])  # the first token not seen before it
+    _, want = capture_generation(eager, eager.to_tokens(prompt), points, max_tokens=k + 1, temperature=0.0,
+                                 stop_at_eos=False)
+    backend = vllm.backend
+    calls = _rpcs(backend, monkeypatch)
+    config = SamplingConfig(max_tokens=8, temperature=0.0, stop_at_eos=False, stop_token_ids=(ids[k],),
+                            d_vocab=vllm.d_vocab)
+    plan = capture_plan(vllm.graph, points)
+    capture = backend.new_capture()
+    steps = list(backend.generate(vllm.to_tokens(prompt)[0].tolist(), config, plan, capture))
+    assert [step.token_id for step in steps] == ids[:k + 1] and steps[-1].finish_reason == "stop"
+    assert calls == ["interp_collect_many"]
+    values = backend.assemble(plan, capture)
+    _assert_close({a: values[a] for a in points}, {a: want[a] for a in points})
+    assert _whole(backend)
+
+
 def _board_says_nothing(backend, monkeypatch) -> None:
     """The workers write the rows into the inbox, but the client never sees their OK."""
     monkeypatch.setattr(backend._board, "ok", lambda slot: False)
@@ -162,16 +224,27 @@ def test_rows_the_board_does_not_vouch_for_come_by_the_rpc(pair, monkeypatch, un
     assert calls == ["interp_collect_many"]
     _assert_equal({a: cache[a] for a in points}, _eager(eager, PROMPTS[0], points))
     assert _whole(vllm.backend)
+    # a generation, whose rows the workers hold: the same
+    completion, cache = capture_generation(vllm, vllm.to_tokens(PROMPTS[0]), points, max_tokens=4,
+                                           temperature=0.0, stop_at_eos=False)
+    want_completion, want = capture_generation(eager, eager.to_tokens(PROMPTS[0]), points, max_tokens=4,
+                                               temperature=0.0, stop_at_eos=False)
+    assert completion.token_ids == want_completion.token_ids
+    assert calls == ["interp_collect_many"] * 2
+    _assert_close({a: cache[a] for a in points}, {a: want[a] for a in points})
+    assert _whole(vllm.backend)
 
 
 @pytest.mark.vllm
-def test_a_cancelled_capture_gives_its_region_back_once_no_worker_can_write_into_it(pair):
+@pytest.mark.parametrize("max_tokens", [1, 5])
+def test_a_cancelled_capture_gives_its_region_back_once_no_worker_can_write_into_it(pair, max_tokens):
     eager, vllm = pair
     points = _points(vllm)
 
     async def cancel_some():
-        tasks = [asyncio.ensure_future(vllm.capture_generation(vllm.to_tokens(p), points, max_tokens=1,
-                                                               temperature=0.0)) for p in PROMPTS]
+        tasks = [asyncio.ensure_future(vllm.capture_generation(vllm.to_tokens(p), points, max_tokens=max_tokens,
+                                                               temperature=0.0, stop_at_eos=False))
+                 for p in PROMPTS]
         await asyncio.sleep(0)  # each request is added (and holds a region) before it is cancelled
         tasks[0].cancel()
         tasks[2].cancel()
@@ -179,6 +252,8 @@ def test_a_cancelled_capture_gives_its_region_back_once_no_worker_can_write_into
 
     results = asyncio.run(cancel_some())
     assert isinstance(results[0], asyncio.CancelledError) and isinstance(results[2], asyncio.CancelledError)
-    _assert_equal({a: results[1][1][a] for a in points}, _eager(eager, PROMPTS[1], points))
+    _, want = capture_generation(eager, eager.to_tokens(PROMPTS[1]), points, max_tokens=max_tokens,
+                                 temperature=0.0, stop_at_eos=False)
+    _assert_close({a: results[1][1][a] for a in points}, {a: want[a] for a in points})
     assert _whole(vllm.backend)
     assert vllm.backend._board is not None and len(vllm.backend._board._free) == vllm.backend._board.slots

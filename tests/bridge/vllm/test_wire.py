@@ -130,7 +130,8 @@ def test_a_harvest_sink_crosses_as_plain_data_and_a_bad_one_is_refused(graph, tm
                           (dict(offsets={"resid_post.1": 0}), r"map each read \(resid_post.1, z.0\)"),
                           (dict(offsets={"resid_post.1": 0, "z.0": -4}), r"byte offset >= 0"),
                           (dict(widths={"resid_post.1": 8}), r"widths must map each read"),
-                          (dict(widths={"resid_post.1": 8, "z.0": 0}), r"floats per row \(an int >= 1\)")):
+                          (dict(widths={"resid_post.1": 8, "z.0": 0}), r"floats per row \(an int >= 1\)"),
+                          (dict(hold=1), r"hold must be true or false, got 1")):
         bad = dict(data, sink=dict(data["sink"], **change))
         with pytest.raises(wire.PlanError, match=match):
             wire.plan_from_args({wire.KEY: bad}, graph=graph)
@@ -138,6 +139,9 @@ def test_a_harvest_sink_crosses_as_plain_data_and_a_bad_one_is_refused(graph, tm
     sized = wire.plan_from_args({wire.KEY: wire.plan_to_wire(plan, "r", sink=dict(
         sink, widths={"resid_post.1": 64, "z.0": 64}))}, graph=graph).sink
     assert dict(sized.widths) == {"resid_post.1": 64, "z.0": 64}
+    assert not sized.hold and not back.hold  # rows go in as they are read, unless asked to be held
+    held = wire.plan_to_wire(plan, "r", sink=dict(sink, hold=True))
+    assert held["sink"]["hold"] is True and wire.plan_from_args({wire.KEY: held}, graph=graph).sink.hold
 
 
 def test_a_status_board_crosses_only_with_a_plan_that_only_writes_or_sinks_its_rows(graph, tmp_path):
