@@ -12,10 +12,10 @@ from typing import Callable, Iterable
 LAST_REPEATS = [0]  # rounds the last interleaved_medians ran (for the report)
 
 
-def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 3,
-                        min_seconds: float = 0.0, max_repeats: int = 200) -> dict[str, float]:
+def interleaved_samples(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 3,
+                        min_seconds: float = 0.0, max_repeats: int = 200) -> dict[str, list[float]]:
     """Run each fn ``warmup`` times, then ``repeats`` rounds of one call each, interleaved;
-    return the median seconds per call for each name.
+    return each name's seconds per call, round by round (index i of every list is round i).
 
     ``min_seconds``: run more rounds (up to ``max_repeats``) where ``repeats`` of them would
     take less, judged by the last warmup round. Short calls (a prefill) are the noisiest: an
@@ -36,7 +36,42 @@ def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warm
             fn()
             samples[name].append(time.perf_counter() - t0)
     LAST_REPEATS[0] = repeats
+    return samples
+
+
+def medians(samples: dict[str, list[float]]) -> dict[str, float]:
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def interleaved_medians(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 3,
+                        min_seconds: float = 0.0, max_repeats: int = 200) -> dict[str, float]:
+    """The median seconds per call of each fn, from ``interleaved_samples``."""
+    return medians(interleaved_samples(fns, repeats, warmup, min_seconds, max_repeats))
+
+
+def paired_ratio(samples: dict[str, list[float]], name: str, baseline: str) -> tuple[float, float, float]:
+    """``name``'s time over ``baseline``'s in the same round, over the rounds: (median, low, high),
+    where low..high is a 95% confidence interval of that median (distribution-free: the order
+    statistics n/2 -+ 0.98 sqrt(n) of the sorted ratios). Pairing cancels a slow stretch of the
+    machine that spans a round (it slows both calls alike) where it would move one median and not
+    the other. A target inside low..high is not told apart from the measurement by this run."""
+    ratios = sorted(a / b for a, b in zip(samples[name], samples[baseline]))
+    n = len(ratios)
+    half = 0.98 * math.sqrt(n)
+    lo = max(0, math.floor(n / 2 - half) - 1)  # ranks n/2 -+ 0.98 sqrt(n), 1-based, as indices
+    hi = min(n - 1, math.ceil(n / 2 + half))
+    return statistics.median(ratios), ratios[lo], ratios[hi]
+
+
+def verdict(spread: tuple[float, float, float], target: float) -> str:
+    """A paired ratio (``paired_ratio``) against its target: met (its interval lies below),
+    MISSED (above), or within noise (the interval holds the target)."""
+    _, lo, hi = spread
+    if hi <= target:
+        return "met"
+    if lo > target:
+        return "MISSED"
+    return "within noise"
 
 
 def gathered(make: Callable[[], Iterable]) -> Callable[[], None]:
@@ -51,10 +86,17 @@ def gathered(make: Callable[[], Iterable]) -> Callable[[], None]:
     return lambda: asyncio.run(go())
 
 
-def report(title: str, medians: dict[str, float], baseline: str, targets: dict[str, str] | None = None) -> None:
-    base = medians[baseline]
+def report(title: str, values: dict[str, float], baseline: str, targets: dict[str, str] | None = None,
+           samples: dict[str, list[float]] | None = None) -> None:
+    """One line per name: its median, its ratio to ``baseline``'s median and, given the
+    round-by-round ``samples``, the paired ratio's median and quartiles (``paired_ratio``)."""
+    base = values[baseline]
     print(f"\n{title}")
-    for name, value in medians.items():
+    for name, value in values.items():
         ratio = value / base
+        paired = ""
+        if samples is not None and name != baseline:
+            mid, q1, q3 = paired_ratio(samples, name, baseline)
+            paired = f"   paired {mid:6.3f} (95% CI {q1:.3f}-{q3:.3f})"
         target = f"   target {targets[name]}" if targets and name in targets else ""
-        print(f"  {name:<44} median {value * 1e3:9.3f} ms   ratio {ratio:6.3f}{target}")
+        print(f"  {name:<44} median {value * 1e3:9.3f} ms   ratio {ratio:6.3f}{paired}{target}")

@@ -12,7 +12,9 @@ static capture <= 1.15x plain compiled, static steering <= 1.05x, both faster th
 Each block also prints capture and steering against vllm-static driven with no plan (the same
 interp_engine client path), which isolates what the compiled taps and sites cost from what the
 client costs.
-All engines stay up and the variants run interleaved, so machine noise hits them alike.
+All engines stay up and the variants run interleaved, so machine noise hits them alike; each
+target is judged on the paired ratio (each round's time over the baseline's in that round) and
+the 95% confidence interval of its median (met, MISSED, or within noise).
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_static.py [--variant tiny|bench] [--repeats N]
 """
@@ -24,7 +26,7 @@ import os
 
 import torch
 
-from _timing import LAST_REPEATS, gathered, interleaved_medians, report
+from _timing import LAST_REPEATS, gathered, interleaved_samples, medians, paired_ratio, report, verdict
 
 
 def main() -> None:
@@ -33,7 +35,7 @@ def main() -> None:
     parser.add_argument("--variant", default="tiny")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--min-seconds", type=float, default=3.0,
+    parser.add_argument("--min-seconds", type=float, default=8.0,
                         help="more rounds for rows whose --repeats rounds would take less (prefill rows)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -83,7 +85,7 @@ def main() -> None:
                 return gathered(lambda: [model.generate_text(p, max_tokens=tokens, temperature=0.0,
                                                              stop_at_eos=False) for p in prompts])
 
-            medians = interleaved_medians({
+            samples = interleaved_samples({
                 "plain compiled vLLM (llm.generate)": raw(plain),
                 "plain eager vLLM (llm.generate)": raw(eager_llm),
                 "vllm-static engine, llm.generate": raw(static.backend._llm),
@@ -94,13 +96,21 @@ def main() -> None:
                 f"hooks (vllm), steer {site}": steered(hooks),
             }, repeats=args.repeats, warmup=2, min_seconds=args.min_seconds)
             what = f"{tokens} greedy tokens" if tokens > 1 else "prefill only (1 token)"
-            report(f"{n_req} concurrent request(s), {what}; medians of {LAST_REPEATS[0]} rounds", medians, "plain compiled vLLM (llm.generate)",
-                   {"vllm-static, capture resid_post x all": "<= 1.15",
-                    f"vllm-static, steer {site}": "<= 1.05"})
+            mid = medians(samples)
+            baseline = "plain compiled vLLM (llm.generate)"
+            targets = {"vllm-static, capture resid_post x all": 1.15, f"vllm-static, steer {site}": 1.05}
+            report(f"{n_req} concurrent request(s), {what}; medians of {LAST_REPEATS[0]} rounds", mid, baseline,
+                   {name: f"<= {t:.2f}" for name, t in targets.items()}, samples)
+            for name, target in targets.items():
+                spread = paired_ratio(samples, name, baseline)
+                print(f"  {verdict(spread, target):>12}: {name} paired {spread[0]:.3f} "
+                      f"[{spread[1]:.3f}-{spread[2]:.3f}], ratio of medians {mid[name] / mid[baseline]:.3f}; "
+                      f"target <= {target:.2f}x")
             # what the compiled taps and sites themselves cost: the same driver with no plan
-            base = medians["vllm-static, no plan (interp_engine)"]
-            for name in ("vllm-static, capture resid_post x all", f"vllm-static, steer {site}"):
-                print(f"  {name + ' / no plan':<44} ratio {medians[name] / base:6.3f}")
+            for name in targets:
+                mid_r, q1, q3 = paired_ratio(samples, name, "vllm-static, no plan (interp_engine)")
+                print(f"  {name + ' / no plan':<44} ratio {mid[name] / mid['vllm-static, no plan (interp_engine)']:6.3f}"
+                      f"   paired {mid_r:6.3f} (95% CI {q1:.3f}-{q3:.3f})")
     static.close()
     hooks.close()
 
