@@ -129,6 +129,7 @@ class _Region:
     nbytes: int
     at: dict[Address, int]
     widths: dict[Address, int]
+    held: bool = False  # a generation's, held from its first step to its last (Inbox.take)
     done: bool = False
 
 
@@ -530,19 +531,19 @@ class VllmBackend:
             # room for every position it can reach (the final token is never fed); a generation's
             # rows are held in the workers and written at once at its last position (WireSink.hold)
             positions = prompt_len + config.max_tokens - 1
-            region = self._region(plan, positions, widths)
+            region = self._region(plan, positions, widths, held=config.max_tokens > 1)
             if region is not None:
                 rows_to = {"path": self._inbox.path, "positions": positions,
                            "offsets": {str(a): at for a, at in region.at.items()},
                            "widths": {str(a): w for a, w in region.widths.items()},
-                           "hold": config.max_tokens > 1}
+                           "hold": region.held}
         if self._board is not None and ((plan.writes and not plan.reads)
                                         or (rows_to is not None and self._boards(plan))):
             with self._wake:
                 slot = self._board.take()
         if region is not None and slot is None:  # no board row to say the rows are in: by rpc
             with self._wake:
-                self._inbox.give(region.start, region.nbytes)
+                self._inbox.give(region.start, region.nbytes, region.held)
             region = rows_to = None
         extra = None if plan.empty else {"interp_engine": plan_to_wire(
             plan, rid, model=self._fingerprint, sink=rows_to,
@@ -575,17 +576,17 @@ class VllmBackend:
             return {a: point_width(self.graph, a.name) for a in plan.reads} if self._inboxes(plan) else None
         return memo_get(self._inbox_plans, plan.reads, widths, limit=64)
 
-    def _region(self, plan: Plan, rows: int, widths: dict[Address, int]) -> _Region | None:
+    def _region(self, plan: Plan, rows: int, widths: dict[Address, int], held: bool) -> _Region | None:
         """A region of the inbox for ``rows`` rows of each of ``plan``'s reads, ``widths`` floats
-        wide (None: no room)."""
+        wide (None: no room); ``held``: a generation's (Inbox.take)."""
         at, size = {}, 0
         for a in plan.reads:
             at[a], size = size, size + 4 * rows * widths[a]
         with self._wake:
-            start = self._inbox.take(size)
+            start = self._inbox.take(size, held)
         if start is None:
             return None
-        return _Region(start, size, {a: start + o for a, o in at.items()}, widths)
+        return _Region(start, size, {a: start + o for a, o in at.items()}, widths, held)
 
     def _region_done(self, request: _Request) -> None:
         """Nobody reads ``request``'s inbox region any more: it is free once no worker can write
@@ -602,7 +603,7 @@ class VllmBackend:
         if region is not None and region.done and request.slot is None:
             request.region = None
             if self._inbox is not None:
-                self._inbox.give(region.start, region.nbytes)
+                self._inbox.give(region.start, region.nbytes, region.held)
 
     def _kick(self) -> None:
         """Release the queued requests once, at the end of the running event loop's current

@@ -35,6 +35,9 @@ from .board import shared_dir
 __all__ = ["Inbox"]
 
 SIZE = 16 << 20  # bytes of the file: captures larger than a quarter of it go through the rpc
+# a generation's region is held from its first step to its last: all of them together may take
+# at most half the file, so long generations never leave one-token captures without room
+HELD_SHARE = 0.5
 _ALIGN = 64
 
 
@@ -50,14 +53,16 @@ class Inbox:
         os.ftruncate(self._fd, self.size)
         self._map = mmap.mmap(self._fd, self.size, prot=mmap.PROT_READ)
         self._free: list[list[int]] = [[0, self.size]]  # [start, end) runs, in file order
+        self.held = 0  # bytes handed out to generations (take(..., held=True))
         # a client that exits without closing its model still removes the file
         self._finalize = weakref.finalize(self, _remove, self.path, self._fd, self._map)
 
-    def take(self, nbytes: int) -> int | None:
+    def take(self, nbytes: int, held: bool = False) -> int | None:
         """The first byte of a free region of ``nbytes``, its pages reserved; None where none is
-        free (or the file system has no room): the request collects by rpc."""
+        free (or the file system has no room), or where a ``held`` region (a generation's) would
+        take generations past ``HELD_SHARE`` of the file: the request collects by rpc."""
         n = -(-int(nbytes) // _ALIGN) * _ALIGN
-        if n <= 0 or n > self.size // 4:
+        if n <= 0 or n > self.size // 4 or (held and self.held + n > self.size * HELD_SHARE):
             return None
         for i, (start, end) in enumerate(self._free):
             if end - start < n:
@@ -70,12 +75,17 @@ class Inbox:
                 del self._free[i]
             else:
                 self._free[i][0] = start + n
+            if held:
+                self.held += n
             return start
         return None
 
-    def give(self, start: int, nbytes: int) -> None:
-        """The region at ``start`` back (nobody reads or writes it any more)."""
-        end = start + -(-int(nbytes) // _ALIGN) * _ALIGN
+    def give(self, start: int, nbytes: int, held: bool = False) -> None:
+        """The region at ``start`` back (nobody reads or writes it any more); ``held`` as taken."""
+        n = -(-int(nbytes) // _ALIGN) * _ALIGN
+        end = start + n
+        if held:
+            self.held -= n
         free = self._free
         i = 0
         while i < len(free) and free[i][0] < start:

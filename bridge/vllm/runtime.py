@@ -780,9 +780,16 @@ class Runtime:
                 request.report(OK)  # inside the forward: before this step's outputs leave
 
     def _after_forward(self, module, args, out):
-        if self._holding and self.static is None:  # (vllm-static: its drain calls flush_held, after the taps)
+        if self._holding:
             self.flush_held()
         return None
+
+    def use_static(self, taps) -> None:
+        """Serve through compiled taps (vllm-static, static_worker.py): their drain, after the
+        forward, calls ``flush_held`` once the taps' rows are in, so this runtime's own hook
+        after the forward goes."""
+        self.static = taps
+        self._after.remove()
 
     def flush_held(self) -> None:
         """Each held request (``_Request.held``) whose last position this forward read: every
@@ -1033,12 +1040,14 @@ class Runtime:
         if request is None:
             return {"found": False}
         out: dict[str, Any] = {"found": True, "error": request.error, "values": {}}
-        sink = request.plan.sink
+        # a held request collected here ended before its last position (flush_held never wrote
+        # it): its rows are all in its buffers, and go back by value, not into its sink
+        sink = None if request.held else request.plan.sink
         if request.error is None:
             for address in request.plan.reads:
                 if not self.store_captures and address.name not in self.rank_shards:
                     continue
-                if request.sink and self._sinks(address) and not request.held:  # written as they were read
+                if sink is not None and request.sink and self._sinks(address):  # written as they were read
                     rows = n_positions if n_positions is not None else request.sink.written(address)
                     if not request.sink.complete(address, rows):
                         out["error"] = (f"{address}: the worker did not write every one of the request's {rows} "
@@ -1058,9 +1067,8 @@ class Runtime:
                     log.exception("interp_engine runtime: %s of request %s", address, rid)
                     out["error"] = f"{address}: {type(exc).__name__}: {exc}"
                     break
-                if sink is not None and not request.held and address.name not in self.rank_shards:
+                if sink is not None and address.name not in self.rank_shards:
                     # whole rows (rank 0 of a replicated point): straight into the client's file
-                    # (a held request collected here ended before its last position: by rpc)
                     try:
                         self._sink(sink, address, value)
                         continue

@@ -31,7 +31,7 @@ def install_static(runtime: Any, runner: Any) -> None:
     taps = StaticTaps(runtime.root, runtime.spec, declaration.points, declaration.writes, declaration.slots,
                       max_tokens, runtime.device, runtime.dtype, d_model)
     taps.patch()
-    runtime.static = taps
+    runtime.use_static(taps)
 
     def drain(module, args, out):
         if not runtime.store_captures:  # a tensor-parallel rank > 0: rank 0 holds the same rows

@@ -348,7 +348,7 @@ def test_concurrent_captures_come_back_through_the_rows_file_equal_to_eager(mode
     vllm.warmup()
     backend = vllm.backend
     assert not backend.in_process and backend._spill is not None
-    monkeypatch.setattr(backend._inbox, "take", lambda nbytes: None)  # no room in the inbox (inbox.py): by rpc
+    monkeypatch.setattr(backend._inbox, "take", lambda nbytes, held=False: None)  # no room in the inbox (inbox.py): by rpc
     points = [Address(name, layer) for name in ("resid_post", "mlp_out", "z") for layer in range(eager.n_layers)]
     prompts = [eager.to_tokens(p)[0].tolist() for p in PROMPTS] * 3
     spilled, take = [], backend._spill.take

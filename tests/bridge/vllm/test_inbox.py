@@ -40,6 +40,28 @@ def test_regions_are_first_fit_joined_when_given_back_and_never_past_a_quarter(t
     assert not os.path.exists(inbox.path)
 
 
+def test_generations_regions_take_at_most_half_the_file_and_leave_room_for_one_token_captures(tmp_path):
+    # a generation holds its region from its first step to its last: long ones together must not
+    # send every prompt capture to the rpc
+    inbox = Inbox(size=4096, directory=str(tmp_path))
+    try:
+        held = [inbox.take(1000, held=True), inbox.take(1000, held=True)]  # 1024 bytes each, aligned
+        assert None not in held and inbox.held == 2048
+        assert inbox.take(64, held=True) is None  # past half the file
+        prompt = inbox.take(1024)
+        assert prompt is not None  # a one-token capture still has room
+        inbox.give(held[0], 1000, held=True)
+        assert inbox.held == 1024
+        again = inbox.take(1000, held=True)
+        assert again == held[0]  # room for a generation again once one gave its region back
+        for at in (held[1], again):
+            inbox.give(at, 1000, held=True)
+        inbox.give(prompt, 1024)
+        assert inbox.held == 0 and inbox._free == [[0, 4096]]
+    finally:
+        inbox.close()
+
+
 def test_rows_are_read_as_a_copy_in_the_asked_dtype(tmp_path):
     inbox = Inbox(size=4096, directory=str(tmp_path))
     try:
@@ -82,7 +104,7 @@ def _eager(eager, prompt: str, points) -> dict[Address, torch.Tensor]:
 
 
 def _whole(backend) -> bool:
-    return backend._inbox._free == [[0, backend._inbox.size]]
+    return backend._inbox._free == [[0, backend._inbox.size]] and backend._inbox.held == 0
 
 
 @pytest.fixture
