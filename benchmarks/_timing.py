@@ -89,14 +89,14 @@ def gathered(make: Callable[[], Iterable]) -> Callable[[], None]:
 def report(title: str, values: dict[str, float], baseline: str, targets: dict[str, str] | None = None,
            samples: dict[str, list[float]] | None = None) -> None:
     """One line per name: its median, its ratio to ``baseline``'s median and, given the
-    round-by-round ``samples``, the paired ratio's median and quartiles (``paired_ratio``)."""
+    round-by-round ``samples``, the paired ratio's median and 95% CI (``paired_ratio``)."""
     base = values[baseline]
     print(f"\n{title}")
     for name, value in values.items():
         ratio = value / base
         paired = ""
         if samples is not None and name != baseline:
-            mid, q1, q3 = paired_ratio(samples, name, baseline)
-            paired = f"   paired {mid:6.3f} (95% CI {q1:.3f}-{q3:.3f})"
+            mid, lo, hi = paired_ratio(samples, name, baseline)
+            paired = f"   paired {mid:6.3f} (95% CI {lo:.3f}-{hi:.3f})"
         target = f"   target {targets[name]}" if targets and name in targets else ""
         print(f"  {name:<44} median {value * 1e3:9.3f} ms   ratio {ratio:6.3f}{paired}{target}")

@@ -108,9 +108,9 @@ def main() -> None:
                       f"target <= {target:.2f}x")
             # what the compiled taps and sites themselves cost: the same driver with no plan
             for name in targets:
-                mid_r, q1, q3 = paired_ratio(samples, name, "vllm-static, no plan (interp_engine)")
+                mid_r, lo, hi = paired_ratio(samples, name, "vllm-static, no plan (interp_engine)")
                 print(f"  {name + ' / no plan':<44} ratio {mid[name] / mid['vllm-static, no plan (interp_engine)']:6.3f}"
-                      f"   paired {mid_r:6.3f} (95% CI {q1:.3f}-{q3:.3f})")
+                      f"   paired {mid_r:6.3f} (95% CI {lo:.3f}-{hi:.3f})")
     static.close()
     hooks.close()
 
