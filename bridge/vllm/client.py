@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import functools
 import itertools
 import os
 import queue
@@ -1163,10 +1164,32 @@ def _closer(llm) -> Callable[[], None]:
     core = getattr(client, "engine_core", None)  # the in-process client holds the core itself
     original = getattr(client, "_finalizer", None)
     if core is None or original is None or type(client).__name__ != "InprocClient":
-        return client.shutdown
+        return functools.partial(_shutdown, client)
     original.detach()
 
     def soft(core=core):
         core.model_executor.shutdown()
         core.scheduler.shutdown()
     return weakref.finalize(llm, soft)
+
+
+def _shutdown(client) -> None:
+    """A multiprocess engine's ``shutdown``, finished when vLLM's own stops half-way: when an
+    engine process does not exit in time, vLLM kills its process tree, asking each child for its
+    name first, and a child that exits meanwhile raises ``psutil.NoSuchProcess`` out of the
+    shutdown, before the engine process is killed or the client's sockets are closed (seen
+    under load at a test session's end). Then the engine's processes left alive are killed here
+    and the client's resources are released: ``close`` never leaves an engine behind."""
+    import psutil
+
+    try:
+        client.shutdown()
+    except psutil.NoSuchProcess:
+        resources = getattr(client, "resources", None)
+        manager = getattr(resources, "engine_manager", None)
+        for proc in getattr(manager, "processes", None) or ():
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+        if resources is not None:
+            resources()  # sockets and tasks (the engine manager's own shutdown is done: a no-op)
