@@ -31,10 +31,10 @@ def install_runtime(runner: Any):
 
     spec = spec_for_config(runner.model_config.hf_config)
     rank, world = tp_rank_and_size()
-    runtime = Runtime(runner, spec, store_captures=rank == 0, rank=rank)
-    runtime.routing = rule_of(spec, runner.model_config.hf_config)
     # points a tensor-parallel rank holds only a slice of are stored on every rank
-    runtime.rank_shards = {name for name, tap in spec.vllm.items() if tap.sharded} if world > 1 else set()
+    shards = frozenset(name for name, tap in spec.vllm.items() if tap.sharded) if world > 1 else frozenset()
+    runtime = Runtime(runner, spec, store_captures=rank == 0, rank=rank, rank_shards=shards)
+    runtime.routing = rule_of(spec, runner.model_config.hf_config)
     from .static_worker import install_static
 
     install_static(runtime, runner)  # vllm-static: taps into the graph before it compiles

@@ -217,13 +217,15 @@ class _DecodeRun:
 class Runtime:
     """Per worker process. ``install`` once after the model is loaded."""
 
-    def __init__(self, runner: Any, spec: ArchSpec, store_captures: bool = True, rank: int = 0) -> None:
+    def __init__(self, runner: Any, spec: ArchSpec, store_captures: bool = True, rank: int = 0,
+                 rank_shards: frozenset[str] = frozenset()) -> None:
         self.runner = runner
         self.rank = rank  # this worker's tensor-parallel rank: its byte of a status board row
         self.root: nn.Module = runner.model
         self.spec = spec
         self.store_captures = store_captures  # False on tensor-parallel ranks > 0 for replicated points
-        self.rank_shards: set[str] = set()  # point names stored on every rank (sharded taps)
+        self.rank_shards = rank_shards  # point names stored on every rank (sharded taps)
+        self._sinks_by_name: dict[str, bool] = {}  # _sinks, per point name (fixed for a worker)
         self.registry = process_registry()
         self.decoded: dict = {}  # steering ops decoded from plans, by content (wire.plan_from_args)
         self.requests: dict[str, _Request | None] = {}  # vLLM req id -> state (None: no plan)
@@ -370,16 +372,16 @@ class Runtime:
             request.vectors = [op.vector.to(self.device, self.dtype) for op in plan.writes]
             request.columns = [self._columns(op) for op in plan.writes]
             if self.static is not None:
-                self.static.admit(request)
-                plan = WirePlan(plan.rid, (), ())  # nothing for hooks below
-            for address in plan.reads:
-                tap = self._tap(address.name, False)
-                self._site(tap.module_path(address.layer), wrap=tap.source == "attn_qk")
-            for op in plan.writes:
-                if op.experts is not None:
-                    self._router_site(op.address.layer)
-                else:
-                    self._site(self._tap(op.address.name, True).module_path(op.address.layer))
+                self.static.admit(request)  # (compiled in: no hooked sites)
+            else:
+                for address in plan.reads:
+                    tap = self._tap(address.name, False)
+                    self._site(tap.module_path(address.layer), wrap=tap.source == "attn_qk")
+                for op in plan.writes:
+                    if op.experts is not None:
+                        self._router_site(op.address.layer)
+                    else:
+                        self._site(self._tap(op.address.name, True).module_path(op.address.layer))
         except Exception as exc:
             request.error = f"cannot serve this plan here: {exc!r}"
         if request.error is None and request.plan.board is not None:
@@ -750,9 +752,14 @@ class Runtime:
 
     def _sinks(self, address: Address) -> bool:
         """Whether this worker writes a harvest request's rows of ``address`` into its sink
-        itself: whole rows (not a tensor-parallel rank's slice) that leave as they are read."""
-        return (self.store_captures and address.name not in self.rank_shards
+        itself: whole rows (not a tensor-parallel rank's slice) that leave as they are read.
+        (Fixed for a worker: worked out once per point name.)"""
+        known = self._sinks_by_name.get(address.name)
+        if known is None:
+            known = self._sinks_by_name[address.name] = bool(
+                self.store_captures and address.name not in self.rank_shards
                 and rows_are_values(self.spec.vllm[address.name]))
+        return known
 
     def _sink_rows(self, request: _Request, address: Address, rows: torch.Tensor, s: int, e: int) -> None:
         try:
@@ -830,45 +837,52 @@ class Runtime:
         another both in ``rows`` and in one sink file (the client lays each point's rows out in
         window order, and a prefill step holds consecutive windows): one write per such run
         instead of one per request. Returns the readers left to be read on their own."""
-        rest, runs = [], []  # runs: [fd, byte, first row of rows, end row, [(request, first, k)]]
+        rest, runs = [], []  # runs: [fd, byte, first row of rows, end row, [(request, first, k, written)]]
         width = rows[0].numel() if rows.shape[0] else 0
+        row_bytes = 4 * width
+        pos = self.pos_np.tolist()  # (one conversion, not two numpy scalars per reader)
         for reader in readers:
             request, s, e, offset = reader
             sink = request.sink
             if request.plan.sink is None or sink is False or request.held or e <= s or request.error is not None:
                 rest.append(reader)
                 continue
+            k = e - s
+            first = pos[s]
+            if pos[e - 1] - first != k - 1:  # not consecutive positions (drafts): its own way below
+                rest.append(reader)
+                continue
             try:
                 if sink is None:
                     sink = request.sink = SinkWriter(request.plan.sink, self.sink_files)
-                first = int(self.pos_np[s])
-                where = (sink.place(address, width, first, e - s)
-                         if int(self.pos_np[e - 1]) - first == e - s - 1 else None)
+                placed = sink.place(address, width, first, k)
             except Exception:  # its own way below: where a failure is its request's alone
                 rest.append(reader)
                 continue
-            if where is None:
+            if placed is None:
                 rest.append(reader)
                 continue
+            where, written = placed
             run = runs[-1] if runs else None
-            if run is not None and run[0] == sink.fd and run[1] + (run[3] - run[2]) * width * 4 == where \
+            if run is not None and run[0] == sink.fd and run[1] + (run[3] - run[2]) * row_bytes == where \
                     and run[3] == offset:
-                run[3] = offset + e - s
-                run[4].append((request, first, e - s))
+                run[3] = offset + k
+                run[4].append((request, first, k, written))
             else:
-                runs.append([sink.fd, where, offset, offset + e - s, [(request, first, e - s)]])
+                runs.append([sink.fd, where, offset, offset + k, [(request, first, k, written)]])
         for fd, where, lo, hi, members in runs:
             try:
                 data = rows[lo:hi].reshape(hi - lo, -1)
                 write_rows(fd, (data if data.dtype == torch.float32 else data.to(torch.float32)).numpy(), where)
             except Exception as exc:  # every request of this run failed; the others go on
-                for request, _, _ in members:
+                for request, _, _, _ in members:
                     self._failed(request, exc)
                 continue
-            for request, first, k in members:
+            for request, first, k, written in members:
                 try:
-                    request.sink.mark(address, first, k)
-                    self._sunk(request, address, first + k - 1)
+                    written.mark(first, first + k)
+                    if request.report is not None:  # (else nothing to say when its last rows are in)
+                        self._sunk(request, address, first + k - 1)
                 except Exception as exc:
                     self._failed(request, exc)
         return rest

@@ -132,20 +132,24 @@ class SinkWriter:
             write_rows(self.fd, row, at + p * row_bytes)
         written.mark_at(positions)
 
-    def place(self, address: Address, width: int, first: int, k: int) -> int | None:
+    def place(self, address: Address, width: int, first: int, k: int) -> tuple[int, "_Written"] | None:
         """Where in the file ``k`` rows of ``width`` floats at positions ``first ..
         first + k - 1`` of ``address`` go (the byte), for a caller writing them itself (several
-        requests' rows in one write) and then calling ``mark``; None where ``write`` must do it
-        (positions outside the sink: it says what is wrong)."""
+        requests' rows in one write), and the record it marks them written in afterwards
+        (``written.mark(first, first + k)``); None where ``write`` must do it (positions outside
+        the sink: it says what is wrong)."""
         if not self.open:
             return None
-        at, row_bytes, written = self._point(address, width * 4)
+        known = self.points.get(address)
+        if known is None or known[1] != width * 4:
+            known = self._point(address, width * 4)
+        at, row_bytes, written = known
         if first < 0 or first + k > written.n:
             return None
-        return at + first * row_bytes
+        return at + first * row_bytes, written
 
     def mark(self, address: Address, first: int, k: int) -> None:
-        """Positions ``first .. first + k - 1`` of ``address`` are written (see ``place``)."""
+        """Positions ``first .. first + k - 1`` of ``address`` are written."""
         self.points[address][2].mark(first, first + k)
 
     def _point(self, address: Address, row_bytes: int) -> tuple[int, int, _Written]:

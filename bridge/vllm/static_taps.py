@@ -22,11 +22,12 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import numpy as np
 import torch
 from torch import nn
 
 from interp_engine._address import Address
-from interp_engine._ops import affine, select_rows, stored
+from interp_engine._ops import EVERY_ROW, affine, select_rows, stored
 from interp_engine._plan import VECTORLESS
 
 from . import static_ops  # noqa: F401  (registers the ops before any graph is traced)
@@ -172,8 +173,7 @@ class StaticTaps:
                 adds.append(coef == (1.0, 0.0))  # x + v: the op's one-call path (static_ops)
                 width = site.vec.shape[1]
                 source = None if op.op in VECTORLESS else request.vectors[i]
-                vector = torch.zeros(1, width) if source is None else source.reshape(-1, width)
-                if vector.shape[0] == 1:
+                if source is None or source.dim() == 1 or source.shape[0] == 1:
                     key = (op.op, coef, None if source is None else id(source))
                     entry = site.shared.get(key)
                     if entry is not None and entry[1] is source:  # (the entry keeps its vector alive)
@@ -182,6 +182,7 @@ class StaticTaps:
                         continue
                 else:
                     key = None
+                vector = torch.zeros(1, width) if source is None else source.reshape(-1, width)
                 if len(site.free) < vector.shape[0]:
                     raise RuntimeError(f"{op.address}: all {self.n_slots} static steering slots are in use "
                                        "(raise static_slots when loading the model)")
@@ -239,7 +240,8 @@ class StaticTaps:
             for address in request.plan.reads:
                 self.taps[address].readers.append((request, s, e))
             for i, op in enumerate(request.plan.writes):
-                sel = select_rows(op.positions, op.per_position, positions[s:e], request.prompt_len)
+                sel = EVERY_ROW if op.positions == "all" else select_rows(
+                    op.positions, op.per_position, positions[s:e], request.prompt_len)
                 if sel.empty:
                     continue
                 parts = work.setdefault(id(self.sites[op.address]), [])
@@ -287,15 +289,17 @@ class StaticTaps:
                 tap.count.zero_()
                 tap.k = 0
                 return
-            rows = built.get(spans)
-            if rows is None:
-                rows = built[spans] = torch.cat([torch.arange(s, e) for s, e in spans])
-            tap.k = rows.numel()
-            tap.rows[:tap.k].copy_(rows)
             # the spans tile rows 0..k-1 (a prefill's requests, one request alone): the op copies
-            # that slice as it is, in one pass, instead of gathering it row by row
+            # that slice as it is, in one pass, instead of gathering it row by row (and on the
+            # CPU never reads ``rows``: they are not written)
             prefix = spans[0][0] == 0 and all(a[1] == b[0] for a, b in zip(spans, spans[1:]))
-            tap.count.copy_(torch.tensor([tap.k, int(prefix)]))
+            tap.k = sum(e - s for s, e in spans)
+            if self.fixed or not prefix:
+                rows = built.get(spans)
+                if rows is None:
+                    rows = built[spans] = _span_rows(spans)
+                tap.rows[:tap.k].copy_(rows)
+            _set(tap.count, (tap.k, int(prefix)))
             if self.fixed:
                 tap.dest.index_copy_(0, rows.to(self.device), torch.arange(tap.k, device=self.device))
                 tap.used = spans[-1][1]  # spans never overlap: the last ends highest
@@ -316,21 +320,30 @@ class StaticTaps:
         if key is None:
             site.count.zero_()
             return
-        rows = torch.cat([torch.arange(p[0], p[1]) if len(p) == 4 else torch.tensor(p[0]) for p in parts])
-        slots = torch.cat([torch.full((p[1] - p[0],), p[2]) if len(p) == 4 else torch.tensor(p[1])
-                           for p in parts])
-        k = rows.numel()
-        site.rows[:k].copy_(rows)
-        site.slots[:k].copy_(slots)
         add = all(p[-1] for p in parts)
+        if add and len(parts) == 1 and len(parts[0]) == 4 and not self.fixed:
+            # one request's span (or neighbours sharing its slot), one vector: the op adds a
+            # slice from count alone, so the per-row maps are not written
+            s, e, slot, _ = parts[0]
+            _set(site.count, (e - s, 2, s, slot))
+            return
+        rows = np.concatenate([np.arange(p[0], p[1]) if len(p) == 4 else np.asarray(p[0], dtype=np.int64)
+                               for p in parts])
+        slots = np.concatenate([np.full(p[1] - p[0], p[2]) if len(p) == 4 else np.asarray(p[1], dtype=np.int64)
+                                for p in parts])
+        k = rows.shape[0]
+        rows_t, slots_t = torch.from_numpy(rows), torch.from_numpy(slots)
+        site.rows[:k].copy_(rows_t)
+        site.slots[:k].copy_(slots_t)
+        first = int(rows[0])
         if add and len(parts) == 1 and len(parts[0]) == 4:  # one request's span, one vector
-            site.count.copy_(torch.tensor([k, 2, parts[0][0], parts[0][2]]))
-        elif add and torch.equal(rows, torch.arange(int(rows[0]), int(rows[0]) + k)):  # one span
-            site.count.copy_(torch.tensor([k, 3, int(rows[0]), 0]))
+            _set(site.count, (k, 2, first, int(parts[0][2])))
+        elif add and int(rows[-1]) - first + 1 == k and bool((np.diff(rows) == 1).all()):  # one span
+            _set(site.count, (k, 3, first, 0))
         else:
-            site.count.copy_(torch.tensor([k, int(add), 0, 0]))
+            _set(site.count, (k, int(add), 0, 0))
         if self.fixed:
-            site.slot_of.index_copy_(0, rows.to(self.device), slots.to(self.device))
+            site.slot_of.index_copy_(0, rows_t.to(self.device), slots_t.to(self.device))
             site.used = int(rows.max()) + 1
 
     def drain(self, put: Callable[[Address, torch.Tensor, list], None]) -> None:
@@ -359,6 +372,20 @@ class StaticTaps:
             put(tap.address, rows, tap.readers)
             tap.readers = []
 
+
+
+def _span_rows(spans: tuple) -> torch.Tensor:
+    """The rows of ``spans`` ((s, e) pairs), in order, as one int64 tensor."""
+    return torch.from_numpy(np.concatenate([np.arange(s, e) for s, e in spans]))
+
+
+def _set(count: torch.Tensor, values: tuple) -> None:
+    """A small int64 map (a tap's or site's ``count``) set to ``values``: through a numpy view
+    on the CPU (one store per value, no tensor built), by a copy elsewhere."""
+    if count.device.type == "cpu":
+        count.numpy()[:] = values
+    else:
+        count.copy_(torch.tensor(values))
 
 # ---- the wrappers Dynamo traces ------------------------------------------------------------
 

@@ -488,6 +488,20 @@ def _board(value, reads: tuple[Address, ...], sink) -> tuple[str, int]:
     return value["path"], value["at"]
 
 
+def _ints(values, low: int) -> bool:
+    """Whether every one of ``values`` is an int (not a bool) >= ``low``."""
+    for v in values:
+        if type(v) is not int and (not isinstance(v, int) or isinstance(v, bool)) or v < low:
+            return False
+    return True
+
+
+def _per_read(value, names: list[str], low: int) -> bool:
+    """Whether ``value`` maps exactly the reads ``names`` (distinct) to ints >= ``low``."""
+    return (isinstance(value, Mapping) and len(value) == len(names) and all(n in value for n in names)
+            and _ints(value.values(), low))
+
+
 def _sink(value, reads: tuple[Address, ...]) -> WireSink:
     if not isinstance(value, Mapping) or not isinstance(value.get("path"), str) \
             or not os.path.isabs(value["path"]):
@@ -496,14 +510,13 @@ def _sink(value, reads: tuple[Address, ...]) -> WireSink:
     positions, offsets = value.get("positions"), value.get("offsets")
     if isinstance(positions, bool) or not isinstance(positions, int) or positions < 1:
         raise _fail(f"sink positions must be an int >= 1, got {positions!r}")
-    if not isinstance(offsets, Mapping) or sorted(offsets) != sorted(str(a) for a in reads) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in offsets.values()):
-        raise _fail(f"sink offsets must map each read ({', '.join(str(a) for a in reads)}) to a byte "
+    names = [str(a) for a in reads]  # (distinct: _reads keeps each address once)
+    if not _per_read(offsets, names, 0):
+        raise _fail(f"sink offsets must map each read ({', '.join(names)}) to a byte "
                     f"offset >= 0, got {offsets!r}")
     widths = value.get("widths")
-    if widths is not None and (not isinstance(widths, Mapping) or sorted(widths) != sorted(offsets) or not all(
-            isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in widths.values())):
-        raise _fail(f"sink widths must map each read ({', '.join(str(a) for a in reads)}) to its floats per "
+    if widths is not None and not _per_read(widths, names, 1):
+        raise _fail(f"sink widths must map each read ({', '.join(names)}) to its floats per "
                     f"row (an int >= 1), got {widths!r}")
     hold = value.get("hold", False)
     if not isinstance(hold, bool):

@@ -67,8 +67,9 @@ def test_rows_marked_out_of_order_count_only_once_the_gap_before_them_is_written
     until it is filled."""
     path, files = _file(tmp_path), SinkFiles()
     writer = SinkWriter(_sink(path, 0), files)
-    assert writer.place(A, W, 3, 2) == 3 * W * 4 and writer.place(A, W, 5, 2) is None  # past its N rows
-    writer.mark(A, 3, 2)
+    where, written = writer.place(A, W, 3, 2)
+    assert where == 3 * W * 4 and writer.place(A, W, 5, 2) is None  # past its N rows
+    written.mark(3, 5)  # (the record place hands back is the writer's own)
     assert writer.written(A) == 2 and not writer.complete(A, 1) and not writer.complete(A, 5)
     writer.place(A, W, 0, 2)
     writer.mark(A, 0, 2)
@@ -175,7 +176,8 @@ def test_a_compiled_taps_rows_of_consecutive_windows_go_in_with_one_write(tmp_pa
 
     runtime = Runtime.__new__(Runtime)  # only what _read_tap uses: no engine
     runtime.sink_files, runtime.arenas, runtime._runs = SinkFiles(), {}, {}
-    runtime.store_captures, runtime.rank_shards, runtime.spec = True, set(), SPECS["qwen3"]
+    runtime.store_captures, runtime.rank_shards, runtime.spec = True, frozenset(), SPECS["qwen3"]
+    runtime._sinks_by_name = {}
 
     def value(window, address):
         return torch.arange(N * W, dtype=torch.float32).reshape(N, W) + 1000 * window + 100 * (address is B)
