@@ -132,6 +132,7 @@ class _Region:
     widths: dict[Address, int]
     held: bool = False  # a generation's, held from its first step to its last (Inbox.take)
     done: bool = False
+    slab: Any = None  # a one-token capture's rows in a slab it shares (Inbox.rows), not a region of its own
 
 
 @dataclass(frozen=True)
@@ -544,7 +545,7 @@ class VllmBackend:
                 slot = self._board.take()
         if region is not None and slot is None:  # no board row to say the rows are in: by rpc
             with self._wake:
-                self._inbox.give(region.start, region.nbytes, region.held)
+                self._give_region(region)
             region = rows_to = None
         extra = None if plan.empty else {"interp_engine": plan_to_wire(
             plan, rid, model=self._fingerprint, sink=rows_to,
@@ -580,6 +581,12 @@ class VllmBackend:
     def _region(self, plan: Plan, rows: int, widths: dict[Address, int], held: bool) -> _Region | None:
         """A region of the inbox for ``rows`` rows of each of ``plan``'s reads, ``widths`` floats
         wide (None: no room); ``held``: a generation's (Inbox.take)."""
+        if not held:  # a one-token capture: beside the requests added just before it (Inbox.rows)
+            with self._wake:
+                shared = self._inbox.rows(tuple(widths[a] for a in plan.reads), rows)
+            if shared is not None:
+                slab, at = shared
+                return _Region(slab.start, slab.nbytes, dict(zip(plan.reads, at)), widths, slab=slab)
         at, size = {}, 0
         for a in plan.reads:
             at[a], size = size, size + 4 * rows * widths[a]
@@ -588,6 +595,13 @@ class VllmBackend:
         if start is None:
             return None
         return _Region(start, size, {a: start + o for a, o in at.items()}, widths, held)
+
+    def _give_region(self, region: _Region) -> None:
+        """``region`` back to the inbox (holding _wake): its slab's rows, or its own bytes."""
+        if region.slab is not None:
+            self._inbox.leave(region.slab)
+        else:
+            self._inbox.give(region.start, region.nbytes, region.held)
 
     def _region_done(self, request: _Request) -> None:
         """Nobody reads ``request``'s inbox region any more: it is free once no worker can write
@@ -604,7 +618,7 @@ class VllmBackend:
         if region is not None and region.done and request.slot is None:
             request.region = None
             if self._inbox is not None:
-                self._inbox.give(region.start, region.nbytes, region.held)
+                self._give_region(region)
 
     def _kick(self) -> None:
         """Release the queued requests once, at the end of the running event loop's current

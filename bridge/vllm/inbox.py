@@ -18,6 +18,13 @@ answer holds the error or the rows.
 request's sink (each read's rows in turn). It is reserved in the file (``posix_fallocate``) when
 handed out, so a worker's write never meets a full tmpfs, and it is free again only once the
 client read it (or gave the request up) and no worker can still write into it.
+
+One-token captures of the same row widths share a slab instead (``Inbox.rows``): a region laid
+out point by point, each request taking the next rows of every point's block. Requests added
+one after another sit side by side in a prefill's forward, so their rows of a point are also
+side by side in the file, and a worker writes a compiled tap's rows of the whole batch in one
+write (runtime ``_sink_together``) instead of one per request. A slab goes back to the file
+once the last request holding rows in it leaves it.
 """
 
 from __future__ import annotations
@@ -32,13 +39,34 @@ import torch
 
 from .board import shared_dir
 
-__all__ = ["Inbox"]
+__all__ = ["Inbox", "Slab"]
 
 SIZE = 16 << 20  # bytes of the file: captures larger than a quarter of it go through the rpc
 # a generation's region is held from its first step to its last: all of them together may take
 # at most half the file, so long generations never leave one-token captures without room
 HELD_SHARE = 0.5
 _ALIGN = 64
+SLAB_BYTES = 2 << 20  # a slab of one-token captures; a request whose rows need more takes a region
+SLAB_ROWS = 1024  # rows of each point a slab holds at most
+_SLABS = 8  # slabs taking requests at once (one per set of widths), at most
+
+
+class Slab:
+    """A region shared by one-token captures whose reads have the same row ``widths``: point
+    j's rows sit at ``blocks[j]``, ``capacity`` rows of ``widths[j]`` floats; the first ``used``
+    rows of every block are taken, by ``users`` requests that have not left yet."""
+
+    __slots__ = ("start", "nbytes", "widths", "capacity", "blocks", "used", "users")
+
+    def __init__(self, start: int, nbytes: int, widths: tuple[int, ...], capacity: int) -> None:
+        self.start, self.nbytes, self.widths, self.capacity = start, nbytes, widths, capacity
+        blocks, at = [], start
+        for w in widths:
+            blocks.append(at)
+            at += 4 * capacity * w
+        self.blocks = tuple(blocks)
+        self.used = 0
+        self.users = 0
 
 
 class Inbox:
@@ -54,6 +82,7 @@ class Inbox:
         self._map = mmap.mmap(self._fd, self.size, prot=mmap.PROT_READ)
         self._free: list[list[int]] = [[0, self.size]]  # [start, end) runs, in file order
         self.held = 0  # bytes handed out to generations (take(..., held=True))
+        self._slabs: dict[tuple[int, ...], Slab] = {}  # the slab taking requests, per set of widths
         # a client that exits without closing its model still removes the file
         self._finalize = weakref.finalize(self, _remove, self.path, self._fd, self._map)
 
@@ -95,6 +124,37 @@ class Inbox:
             free[i][1] = free.pop(i + 1)[1]
         if i > 0 and free[i - 1][1] == free[i][0]:  # and the one before
             free[i - 1][1] = free.pop(i)[1]
+
+    def rows(self, widths: tuple[int, ...], n: int) -> tuple[Slab, tuple[int, ...]] | None:
+        """``n`` rows of each of several points, ``widths`` floats a row, in the slab for those
+        widths (a new one when it is full or there is none): the slab and the byte where each
+        point's rows start. None where a slab cannot hold them: the caller takes a region."""
+        row_bytes = 4 * sum(widths)
+        capacity = min(SLAB_ROWS, SLAB_BYTES // row_bytes) if row_bytes else 0
+        if n < 1 or n > capacity:
+            return None
+        slab = self._slabs.get(widths)
+        if slab is None or slab.used + n > slab.capacity:
+            if slab is not None:
+                del self._slabs[widths]  # full: its rows go back once its users leave it
+            if len(self._slabs) >= _SLABS:
+                return None
+            start = self.take(capacity * row_bytes)
+            if start is None:
+                return None
+            slab = self._slabs[widths] = Slab(start, capacity * row_bytes, widths, capacity)
+        at = tuple(block + 4 * slab.used * w for block, w in zip(slab.blocks, widths))
+        slab.used += n
+        slab.users += 1
+        return slab, at
+
+    def leave(self, slab: Slab) -> None:
+        """A request holding rows in ``slab`` is done with them: the last one gives it back."""
+        slab.users -= 1
+        if slab.users == 0:
+            if self._slabs.get(slab.widths) is slab:
+                del self._slabs[slab.widths]
+            self.give(slab.start, slab.nbytes)
 
     def read(self, at: int, rows: int, width: int, dtype: torch.dtype) -> torch.Tensor:
         """A copy of ``rows`` float32 rows of ``width`` at byte ``at``, as ``dtype``."""

@@ -62,6 +62,40 @@ def test_generations_regions_take_at_most_half_the_file_and_leave_room_for_one_t
         inbox.close()
 
 
+def test_one_token_captures_sit_side_by_side_in_each_points_block_of_a_shared_slab(tmp_path, monkeypatch):
+    """Inbox.rows: requests with reads of the same widths take the next rows of every point's
+    block of one slab (so a batch's rows of a point are consecutive in the file, as in the
+    forward); a full slab makes way for a new one and goes back once its last user leaves;
+    rows a slab cannot hold, or a set of widths past the slab count, are the caller's to place."""
+    from bridge.vllm import inbox as inbox_module
+
+    monkeypatch.setattr(inbox_module, "SLAB_BYTES", 4 * 10 * (3 + 5))  # 10 rows of widths (3, 5)
+    inbox = Inbox(size=1 << 16, directory=str(tmp_path))
+    try:
+        (s1, at1), (s2, at2) = inbox.rows((3, 5), 4), inbox.rows((3, 5), 6)
+        assert s1 is s2 and s1.capacity == 10 and s1.users == 2
+        assert at1 == (s1.start, s1.start + 4 * 10 * 3)  # point 0's block, then point 1's
+        assert at2 == (at1[0] + 4 * 4 * 3, at1[1] + 4 * 4 * 5)  # right after the first request's rows
+        assert inbox.rows((3, 5), 11) is None  # more than a slab holds: a region of its own
+        s3, at3 = inbox.rows((3, 5), 1)  # the first slab is full: a new one
+        assert s3 is not s1 and at3 == (s3.start, s3.start + 4 * 10 * 3)
+        other, _ = inbox.rows((7,), 2)  # other widths: a slab of their own
+        assert other is not s1 and other is not s3
+        inbox.leave(s1)
+        assert s1.users == 1 and [s1.start, s1.start + s1.nbytes] not in inbox._free  # still used
+        inbox.leave(s2)  # its last user: back to the file
+        inbox.leave(s3)
+        inbox.leave(other)
+        assert inbox._free == [[0, 1 << 16]] and not inbox._slabs
+        monkeypatch.setattr(inbox_module, "_SLABS", 1)
+        first, _ = inbox.rows((3, 5), 1)
+        assert inbox.rows((7,), 1) is None  # no second slab while one takes requests
+        inbox.leave(first)
+        assert inbox._free == [[0, 1 << 16]]
+    finally:
+        inbox.close()
+
+
 def test_rows_are_read_as_a_copy_in_the_asked_dtype(tmp_path):
     inbox = Inbox(size=4096, directory=str(tmp_path))
     try:
@@ -104,7 +138,8 @@ def _eager(eager, prompt: str, points) -> dict[Address, torch.Tensor]:
 
 
 def _whole(backend) -> bool:
-    return backend._inbox._free == [[0, backend._inbox.size]] and backend._inbox.held == 0
+    inbox = backend._inbox
+    return inbox._free == [[0, inbox.size]] and inbox.held == 0 and not inbox._slabs
 
 
 @pytest.fixture
@@ -239,7 +274,7 @@ def test_rows_the_board_does_not_vouch_for_come_by_the_rpc(pair, monkeypatch, un
     points = _points(vllm)
     assert _whole(vllm.backend)  # so the region is the file's start: poison it, as an earlier request's rows
     with open(vllm.backend._inbox.path, "r+b") as f:
-        f.write(np.full(1 << 18, np.nan, dtype=np.float32).tobytes())
+        f.write(np.full(1 << 20, np.nan, dtype=np.float32).tobytes())  # (a whole slab: inbox.SLAB_BYTES)
     unvouched(vllm.backend, monkeypatch)
     calls = _rpcs(vllm.backend, monkeypatch)
     cache = run_with_cache(vllm, vllm.to_tokens(PROMPTS[0]), points)
