@@ -453,6 +453,12 @@ class SteerSpec:
     def __or__(self, other: "SteerSpec") -> "SteerSpec":
         if not isinstance(other, SteerSpec):
             return NotImplemented
+        # specs are immutable: the union with nothing is the spec itself (so a request steering
+        # with ``steer=spec`` and no ``steer`` block in force reuses spec's checked plan)
+        if not other.ops:
+            return self
+        if not self.ops:
+            return other
         return SteerSpec(self.ops + other.ops)
 
     def __bool__(self) -> bool:

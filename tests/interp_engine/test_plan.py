@@ -179,6 +179,16 @@ def test_steer_plan_is_checked_once_per_spec_graph_and_dtype(graph, ds_graph):
         steer_plan(ds_graph, wide)
 
 
+def test_a_spec_joined_with_nothing_is_itself_and_keeps_its_checked_plan(graph):
+    # a request with steer=spec and no steer block in force joins spec to the empty active
+    # spec: it must get spec itself back, or every request would check spec's ops afresh
+    spec = SteerSpec.add("resid_post.1", torch.ones(D))
+    assert SteerSpec() | spec is spec and spec | SteerSpec() is spec
+    assert steer_plan(graph, SteerSpec() | spec, torch.float32) is steer_plan(graph, spec, torch.float32)
+    both = spec | SteerSpec.zero("resid_post.0")
+    assert both.ops == spec.ops + SteerSpec.zero("resid_post.0").ops
+
+
 def test_steer_plan_checks(graph, ds_graph):
     ok = SteerSpec.add("resid_post.1", torch.randn(D))
     assert steer_plan(graph, ok, torch.float32).writes == ok.ops
