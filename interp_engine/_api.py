@@ -256,7 +256,20 @@ def _sampling(model: Model, prompt_len: int, **kwargs) -> SamplingConfig:
         kwargs["max_tokens"] = room
     if "stop_token_ids" in kwargs:
         kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"])
-    return SamplingConfig(d_vocab=model.d_vocab, **kwargs)
+    try:  # each value with its type: True == 1 == 1.0, but SamplingConfig takes only some of them
+        key = (model.d_vocab, tuple(sorted((k, type(v), v) for k, v in kwargs.items())))
+        config = _CONFIGS.get(key)
+    except TypeError:  # an unhashable value: SamplingConfig says what is wrong with it
+        return SamplingConfig(d_vocab=model.d_vocab, **kwargs)
+    if config is None:  # a config is immutable: requests asking the same share one, checked once
+        config = SamplingConfig(d_vocab=model.d_vocab, **kwargs)
+        if len(_CONFIGS) >= 256:
+            _CONFIGS.clear()
+        _CONFIGS[key] = config
+    return config
+
+
+_CONFIGS: dict[tuple, SamplingConfig] = {}  # _sampling's checked configs, by what was asked
 
 
 def _steps(model: Model, prompt: list[int] | None, config: SamplingConfig, plan: Plan,

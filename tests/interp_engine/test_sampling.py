@@ -73,3 +73,29 @@ def test_temperature_above_vllms_limit_is_refused_up_front_on_every_backend(t):
     with pytest.raises(ValueError, match=r"temperature .*\[0, 2.0\]"):
         SamplingConfig(temperature=t)
     assert SamplingConfig(temperature=2.0).temperature == 2.0
+
+
+def test_a_request_config_is_checked_once_per_distinct_ask_and_a_bad_one_every_time():
+    """interp_engine._api._sampling: requests asking the same share one checked SamplingConfig
+    (it is immutable); a value of another type that compares equal (True == 1) is its own ask,
+    checked (and refused) on its own; the context still cuts max_tokens per prompt."""
+    from types import SimpleNamespace
+
+    from interp_engine._api import _sampling
+
+    model = SimpleNamespace(max_model_len=64, d_vocab=100)
+    first = _sampling(model, 5, max_tokens=8, temperature=0.0, stop_at_eos=False)
+    assert _sampling(model, 7, max_tokens=8, temperature=0.0, stop_at_eos=False) is first
+    assert first == SamplingConfig(max_tokens=8, temperature=0.0, stop_at_eos=False, d_vocab=100)
+    assert _sampling(model, 60, max_tokens=8, temperature=0.0, stop_at_eos=False).max_tokens == 4
+    assert _sampling(model, 5, max_tokens=1).max_tokens == 1
+    for _ in range(2):
+        with pytest.raises(ValueError, match="max_tokens"):
+            _sampling(model, 5, max_tokens=True)  # == 1, but not an int
+        with pytest.raises(ValueError, match="temperature"):
+            _sampling(model, 5, temperature=float("nan"))
+    other = _sampling(SimpleNamespace(max_model_len=64, d_vocab=10), 5, max_tokens=8, temperature=0.0,
+                      stop_at_eos=False)
+    assert other is not first and other.d_vocab == 10
+    with pytest.raises(ValueError, match="stop_token_ids"):
+        _sampling(model, 5, stop_token_ids=[3, 200])  # a list: made a tuple, then checked
