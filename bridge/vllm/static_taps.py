@@ -373,7 +373,6 @@ class StaticTaps:
             tap.readers = []
 
 
-
 def _span_rows(spans: tuple) -> torch.Tensor:
     """The rows of ``spans`` ((s, e) pairs), in order, as one int64 tensor."""
     return torch.from_numpy(np.concatenate([np.arange(s, e) for s, e in spans]))
