@@ -140,17 +140,10 @@ class SinkWriter:
         the sink: it says what is wrong)."""
         if not self.open:
             return None
-        known = self.points.get(address)
-        if known is None or known[1] != width * 4:
-            known = self._point(address, width * 4)
-        at, row_bytes, written = known
+        at, row_bytes, written = self._point(address, width * 4)
         if first < 0 or first + k > written.n:
             return None
         return at + first * row_bytes, written
-
-    def mark(self, address: Address, first: int, k: int) -> None:
-        """Positions ``first .. first + k - 1`` of ``address`` are written."""
-        self.points[address][2].mark(first, first + k)
 
     def _point(self, address: Address, row_bytes: int) -> tuple[int, int, _Written]:
         """Where ``address``'s rows start in the file, their size, and which are written (its

@@ -62,19 +62,20 @@ def test_rows_land_at_their_positions_and_what_was_written_is_known(tmp_path):
 
 
 def test_rows_marked_out_of_order_count_only_once_the_gap_before_them_is_written(tmp_path):
-    """Rows a caller writes itself (``place`` then ``mark``, several requests in one write) may
-    come after a gap: they count as written, but the request is complete only up to the gap
-    until it is filled."""
+    """Rows a caller writes itself (``place``, then marking them in the record it hands back;
+    several requests in one write) may come after a gap: they count as written, but the request
+    is complete only up to the gap until it is filled."""
     path, files = _file(tmp_path), SinkFiles()
     writer = SinkWriter(_sink(path, 0), files)
     where, written = writer.place(A, W, 3, 2)
     assert where == 3 * W * 4 and writer.place(A, W, 5, 2) is None  # past its N rows
     written.mark(3, 5)  # (the record place hands back is the writer's own)
     assert writer.written(A) == 2 and not writer.complete(A, 1) and not writer.complete(A, 5)
-    writer.place(A, W, 0, 2)
-    writer.mark(A, 0, 2)
+    where, written = writer.place(A, W, 0, 2)
+    assert where == 0
+    written.mark(0, 2)
     assert writer.written(A) == 4 and writer.complete(A, 2) and not writer.complete(A, 3)
-    writer.mark(A, 2, 1)
+    writer.place(A, W, 2, 1)[1].mark(2, 3)
     assert writer.written(A) == 5 and writer.complete(A, 5) and not writer.complete(A, N)
     assert writer.written(B) == 0 and writer.complete(B, 0)
     writer.close()
