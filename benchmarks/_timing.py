@@ -10,6 +10,32 @@ from typing import Callable, Iterable
 
 
 LAST_REPEATS = [0]  # rounds the last interleaved_medians ran (for the report)
+LAST_STEPS: dict[str, list[int]] = {}  # vLLM engine steps each round of the last run took, by name
+_STEPS = [0]  # engine steps so far in this process, once count_engine_steps() is on
+
+
+def count_engine_steps() -> None:
+    """Count every ``LLMEngine.step`` in this process (the callers' own and interp_engine's
+    driver thread's, which steps a multiprocess engine), so ``interleaved_samples`` records
+    how many steps each round took (``LAST_STEPS``). Each step hands back one forward's outputs,
+    so a round of 16 prefills that took 2 steps ran in two forwards: vLLM's engine core starts a
+    forward as soon as the first request of a batch has arrived, and the others wait for the
+    next. Whether a round splits varies from round to round for every client (plain
+    ``llm.generate`` too), and a split round pays a forward's fixed cost once more; the count
+    says how often it happened to each column, next to its times. Instrumentation for the
+    benchmarks only (a wrapper on vLLM's class, installed once)."""
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    step = LLMEngine.step
+    if getattr(step, "_counted", False):
+        return
+
+    def counted(self, *args, **kwargs):
+        _STEPS[0] += 1
+        return step(self, *args, **kwargs)
+
+    counted._counted = True
+    LLMEngine.step = counted
 
 
 def interleaved_samples(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 3,
@@ -30,13 +56,29 @@ def interleaved_samples(fns: dict[str, Callable[[], object]], repeats: int, warm
     if min_seconds > 0 and round_s > 0:
         repeats = max(repeats, min(max_repeats, math.ceil(min_seconds / round_s)))
     samples: dict[str, list[float]] = {name: [] for name in fns}
+    steps: dict[str, list[int]] = {name: [] for name in fns}
     for _ in range(repeats):
         for name, fn in fns.items():
+            n0 = _STEPS[0]
             t0 = time.perf_counter()
             fn()
             samples[name].append(time.perf_counter() - t0)
+            steps[name].append(_STEPS[0] - n0)
     LAST_REPEATS[0] = repeats
+    LAST_STEPS.clear()
+    LAST_STEPS.update(steps)
     return samples
+
+
+def steps_per_round(name: str) -> str:
+    """``name``'s engine steps per round in the last run (``count_engine_steps``): the mean, and
+    the share of rounds that took the fewest ("" where steps were not counted)."""
+    counts = LAST_STEPS.get(name)
+    if not counts or not any(counts):
+        return ""
+    fewest = min(counts)
+    share = sum(c == fewest for c in counts) / len(counts)
+    return f"steps/round {statistics.fmean(counts):5.2f} ({share:4.0%} in {fewest})"
 
 
 def medians(samples: dict[str, list[float]]) -> dict[str, float]:
@@ -99,4 +141,6 @@ def report(title: str, values: dict[str, float], baseline: str, targets: dict[st
             mid, lo, hi = paired_ratio(samples, name, baseline)
             paired = f"   paired {mid:6.3f} (95% CI {lo:.3f}-{hi:.3f})"
         target = f"   target {targets[name]}" if targets and name in targets else ""
-        print(f"  {name:<44} median {value * 1e3:9.3f} ms   ratio {ratio:6.3f}{paired}{target}")
+        steps = steps_per_round(name)
+        steps = f"   {steps}" if steps else ""
+        print(f"  {name:<44} median {value * 1e3:9.3f} ms   ratio {ratio:6.3f}{paired}{target}{steps}")

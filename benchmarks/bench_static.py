@@ -14,7 +14,9 @@ interp_engine client path), which isolates what the compiled taps and sites cost
 client costs.
 All engines stay up and the variants run interleaved, so machine noise hits them alike; each
 target is judged on the paired ratio (each round's time over the baseline's in that round) and
-the 95% confidence interval of its median (met, MISSED, or within noise).
+the 95% confidence interval of its median (met, MISSED, or within noise). Each line also
+says how many engine steps (forwards) its rounds took: vLLM may run a round's 16 prefills in
+one forward or in two, for plain ``llm.generate`` as for interp_engine.
 
     PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_static.py [--variant tiny|bench] [--repeats N]
 """
@@ -26,7 +28,8 @@ import os
 
 import torch
 
-from _timing import LAST_REPEATS, gathered, interleaved_samples, medians, paired_ratio, report, verdict
+from _timing import (LAST_REPEATS, count_engine_steps, gathered, interleaved_samples, medians, paired_ratio, report,
+                     verdict)
 
 
 def main() -> None:
@@ -43,6 +46,8 @@ def main() -> None:
     torch.set_num_threads(1)
 
     from vllm import LLM, SamplingParams
+
+    count_engine_steps()  # how many forwards each round took, next to its time (report)
 
     from interp_engine import Address, SteerSpec, load_model
     from interp_engine.testing import tiny_model

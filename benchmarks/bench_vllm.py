@@ -27,10 +27,12 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 
 import torch
 
-from _timing import LAST_REPEATS, gathered, interleaved_samples, medians, paired_ratio, verdict
+from _timing import (LAST_REPEATS, LAST_STEPS, count_engine_steps, gathered, interleaved_samples, medians,
+                     paired_ratio, verdict)
 
 TARGETS = {"capture": 1.15, "steer": 1.05}
 
@@ -43,7 +45,8 @@ def _plain_engine(path, max_model_len: int, compiled: bool):
                seed=0, max_model_len=max_model_len, kv_cache_memory_bytes=1 << 30)
 
 
-def _shape(name: str, in_process: bool, args) -> dict[str, dict[str, list[float]]]:
+def _shape(name: str, in_process: bool, args,
+           steps: dict[str, dict[str, float]]) -> dict[str, dict[str, list[float]]]:
     from vllm import SamplingParams
 
     from interp_engine import Address, SteerSpec, load_model
@@ -86,7 +89,9 @@ def _shape(name: str, in_process: bool, args) -> dict[str, dict[str, list[float]
                                                            steer=spec)),
         }
         samples = interleaved_samples(fns, repeats=args.repeats, min_seconds=args.min_seconds)
-        results[f"{name}, {batch} request{'s' if batch > 1 else ''} ({LAST_REPEATS[0]} rounds)"] = samples
+        row = f"{name}, {batch} request{'s' if batch > 1 else ''} ({LAST_REPEATS[0]} rounds)"
+        results[row] = samples
+        steps[row] = {column: statistics.fmean(counts) for column, counts in LAST_STEPS.items() if counts}
 
     del eager, compiled
     model.close()
@@ -110,9 +115,11 @@ def main() -> None:
     args.variant = args.variant or args.size
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
 
+    count_engine_steps()  # how many forwards each round took (printed with the times)
     results: dict[str, dict[str, list[float]]] = {}
+    steps: dict[str, dict[str, float]] = {}
     for shape in args.shapes.split(","):
-        results.update(_shape(shape, shape == "in-process", args))
+        results.update(_shape(shape, shape == "in-process", args, steps))
 
     print(f"\nvLLM runtime cost, {args.arch} {args.variant}, {args.tokens} greedy tokens per request; "
           f"medians of at least {args.repeats} interleaved rounds (as many as fill {args.min_seconds:g} s); ratio = median / plain eager vLLM")
@@ -129,6 +136,11 @@ def main() -> None:
         cells = "".join("{:>7.3f} [{:.3f}-{:.3f}]".format(*paired_ratio(samples, c, "plain eager vLLM"))
                         .rjust(24) for c in cols[2:])
         print(f"  {row:<40}{cells}")
+    print("\n  engine steps (forwards) per round, mean: a round whose requests vLLM split across two "
+          "forwards takes one more")
+    print(f"  {'':<40}" + "".join(f"{c:>21}" for c in cols))
+    for row in results:
+        print(f"  {row:<40}" + "".join(f"{steps.get(row, {}).get(c, float('nan')):21.2f}" for c in cols))
     print("  targets: " + ", ".join(f"{k} <= {v:.2f}x" for k, v in TARGETS.items())
           + " (judged on the paired ratio: met or MISSED where its 95% CI lies below or above the target)")
     for row, samples in results.items():
