@@ -97,7 +97,27 @@ def paired_ratio(samples: dict[str, list[float]], name: str, baseline: str) -> t
     statistics n/2 -+ 0.98 sqrt(n) of the sorted ratios). Pairing cancels a slow stretch of the
     machine that spans a round (it slows both calls alike) where it would move one median and not
     the other. A target inside low..high is not told apart from the measurement by this run."""
-    ratios = sorted(a / b for a, b in zip(samples[name], samples[baseline]))
+    return _median_ci([a / b for a, b in zip(samples[name], samples[baseline])])
+
+
+def paired_ratio_same_steps(samples: dict[str, list[float]], name: str, baseline: str,
+                            counts: dict[str, list[int]] | None = None) -> tuple[float, float, float, int] | None:
+    """``paired_ratio`` over only the rounds in which ``name`` and ``baseline`` took as many
+    engine steps (``counts``: those ``interleaved_samples`` counted for ``samples``, by default
+    the last run's ``LAST_STEPS``), and how many rounds those were: the cost of ``name``'s own
+    work with the engine's batching alike on both sides. None where steps were not counted or no
+    round matched."""
+    counts = LAST_STEPS if counts is None else counts
+    steps, base = counts.get(name), counts.get(baseline)
+    if not steps or not base or not any(steps):
+        return None
+    ratios = [a / b for a, b, m, k in zip(samples[name], samples[baseline], steps, base) if m == k]
+    return (*_median_ci(ratios), len(ratios)) if ratios else None
+
+
+def _median_ci(ratios: list[float]) -> tuple[float, float, float]:
+    """The median of ``ratios`` and a distribution-free 95% interval of it (``paired_ratio``)."""
+    ratios = sorted(ratios)
     n = len(ratios)
     half = 0.98 * math.sqrt(n)
     lo = max(0, math.floor(n / 2 - half) - 1)  # ranks n/2 -+ 0.98 sqrt(n), 1-based, as indices

@@ -28,8 +28,8 @@ import os
 
 import torch
 
-from _timing import (LAST_REPEATS, count_engine_steps, gathered, interleaved_samples, medians, paired_ratio, report,
-                     verdict)
+from _timing import (LAST_REPEATS, count_engine_steps, gathered, interleaved_samples, medians, paired_ratio,
+                     paired_ratio_same_steps, report, verdict)
 
 
 def main() -> None:
@@ -111,6 +111,11 @@ def main() -> None:
                 print(f"  {verdict(spread, target):>12}: {name} paired {spread[0]:.3f} "
                       f"[{spread[1]:.3f}-{spread[2]:.3f}], ratio of medians {mid[name] / mid[baseline]:.3f}; "
                       f"target <= {target:.2f}x")
+            for name in targets:  # the same, where the engine batched both rounds alike
+                same = paired_ratio_same_steps(samples, name, baseline)
+                if same is not None and same[3] < LAST_REPEATS[0]:
+                    print(f"  {'same steps':>12}: {name} paired {same[0]:.3f} [{same[1]:.3f}-{same[2]:.3f}] in the "
+                          f"{same[3]} of {LAST_REPEATS[0]} rounds where it took as many engine steps as the baseline")
             # what the compiled taps and sites themselves cost: the same driver with no plan
             for name in targets:
                 mid_r, lo, hi = paired_ratio(samples, name, "vllm-static, no plan (interp_engine)")

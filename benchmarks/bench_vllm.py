@@ -32,7 +32,7 @@ import statistics
 import torch
 
 from _timing import (LAST_REPEATS, LAST_STEPS, count_engine_steps, gathered, interleaved_samples, medians,
-                     paired_ratio, verdict)
+                     paired_ratio, paired_ratio_same_steps, verdict)
 
 TARGETS = {"capture": 1.15, "steer": 1.05}
 
@@ -46,7 +46,7 @@ def _plain_engine(path, max_model_len: int, compiled: bool):
 
 
 def _shape(name: str, in_process: bool, args,
-           steps: dict[str, dict[str, float]]) -> dict[str, dict[str, list[float]]]:
+           steps: dict[str, dict[str, list[int]]]) -> dict[str, dict[str, list[float]]]:
     from vllm import SamplingParams
 
     from interp_engine import Address, SteerSpec, load_model
@@ -91,7 +91,7 @@ def _shape(name: str, in_process: bool, args,
         samples = interleaved_samples(fns, repeats=args.repeats, min_seconds=args.min_seconds)
         row = f"{name}, {batch} request{'s' if batch > 1 else ''} ({LAST_REPEATS[0]} rounds)"
         results[row] = samples
-        steps[row] = {column: statistics.fmean(counts) for column, counts in LAST_STEPS.items() if counts}
+        steps[row] = {column: list(counts) for column, counts in LAST_STEPS.items()}
 
     del eager, compiled
     model.close()
@@ -117,7 +117,7 @@ def main() -> None:
 
     count_engine_steps()  # how many forwards each round took (printed with the times)
     results: dict[str, dict[str, list[float]]] = {}
-    steps: dict[str, dict[str, float]] = {}
+    steps: dict[str, dict[str, list[int]]] = {}  # row -> column -> engine steps per round
     for shape in args.shapes.split(","):
         results.update(_shape(shape, shape == "in-process", args, steps))
 
@@ -140,7 +140,7 @@ def main() -> None:
           "forwards takes one more")
     print(f"  {'':<40}" + "".join(f"{c:>21}" for c in cols))
     for row in results:
-        print(f"  {row:<40}" + "".join(f"{steps.get(row, {}).get(c, float('nan')):21.2f}" for c in cols))
+        print(f"  {row:<40}" + "".join(f"{_mean(steps.get(row, {}).get(c)):21.2f}" for c in cols))
     print("  targets: " + ", ".join(f"{k} <= {v:.2f}x" for k, v in TARGETS.items())
           + " (judged on the paired ratio: met or MISSED where its 95% CI lies below or above the target)")
     for row, samples in results.items():
@@ -150,6 +150,14 @@ def main() -> None:
             print(f"  {verdict(spread, target):>12}: {row}: {key} paired {spread[0]:.3f} "
                   f"[{spread[1]:.3f}-{spread[2]:.3f}], ratio of medians {mid[key] / mid['plain eager vLLM']:.3f}; "
                   f"target <= {target:.2f}x")
+            same = paired_ratio_same_steps(samples, key, "plain eager vLLM", steps.get(row, {}))
+            if same is not None and same[3] < len(samples[key]):
+                print(f"  {'same steps':>12}: {row}: {key} paired {same[0]:.3f} [{same[1]:.3f}-{same[2]:.3f}] in the "
+                      f"{same[3]} rounds where it took as many engine steps as plain eager vLLM")
+
+
+def _mean(counts: list[int] | None) -> float:
+    return statistics.fmean(counts) if counts else float("nan")
 
 
 if __name__ == "__main__":
