@@ -20,6 +20,7 @@ from jaxtyping import Float, Int
 from ._address import Address, AddressLike, expand_points
 from ._cache import Cache
 from ._capabilities import CapabilityUnsupported
+from ._memo import memo_get
 from ._model import Model
 from ._plan import Plan, SteerSpec, capture_plan, check_batch, steer_plan
 from ._sampling import SamplingConfig, sampling_from_params
@@ -258,15 +259,11 @@ def _sampling(model: Model, prompt_len: int, **kwargs) -> SamplingConfig:
         kwargs["stop_token_ids"] = tuple(kwargs["stop_token_ids"])
     try:  # each value with its type: True == 1 == 1.0, but SamplingConfig takes only some of them
         key = (model.d_vocab, tuple(sorted((k, type(v), v) for k, v in kwargs.items())))
-        config = _CONFIGS.get(key)
+        hash(key)
     except TypeError:  # an unhashable value: SamplingConfig says what is wrong with it
         return SamplingConfig(d_vocab=model.d_vocab, **kwargs)
-    if config is None:  # a config is immutable: requests asking the same share one, checked once
-        config = SamplingConfig(d_vocab=model.d_vocab, **kwargs)
-        if len(_CONFIGS) >= 256:
-            _CONFIGS.clear()
-        _CONFIGS[key] = config
-    return config
+    # a config is immutable: requests asking the same share one, checked once
+    return memo_get(_CONFIGS, key, lambda: SamplingConfig(d_vocab=model.d_vocab, **kwargs))
 
 
 _CONFIGS: dict[tuple, SamplingConfig] = {}  # _sampling's checked configs, by what was asked

@@ -25,7 +25,7 @@ import base64
 import math
 import numbers
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import Any
@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from interp_engine._address import Address, to_address
+from interp_engine._memo import memo_get
 from interp_engine._ops import effective_vector
 from interp_engine._plan import (EXPERT_OPS, OPS, VECTORLESS, Plan, _norm_positions, is_write_site, unit_dims,
                                  write_sites)
@@ -340,7 +341,7 @@ def _write_once(entry, graph, registry: VectorRegistry, memo: dict | None) -> Wi
         hash(key)
     except TypeError:  # nested lists (a per-position vector sent as floats): decode it afresh
         return _write(entry, graph, registry)
-    return memo_get(memo, key, lambda: _write(entry, graph, registry))
+    return memo_get(memo, key, lambda: _write(entry, graph, registry), _MEMO_MAX)
 
 
 def _reads(values, graph) -> tuple[Address, ...]:
@@ -357,23 +358,7 @@ def _reads_once(values, graph, memo: dict | None) -> tuple[Address, ...]:
     request of a capture loop sends the same list). Only strings are kept, and only valid lists."""
     if memo is None or not values or not all(type(v) is str for v in values):
         return _reads(values, graph)
-    return memo_get(memo, ("reads", *values), lambda: _reads(values, graph))  # a write's key: pairs, never this
-
-
-_MISSING = object()
-
-
-def memo_get(memo: dict, key: Any, make: Callable[[], Any], limit: int = _MEMO_MAX) -> Any:
-    """``memo[key]``, made (and kept) if missing; a ``make`` that raises keeps nothing. A memo
-    holding ``limit`` entries is cleared first: the keys in use are few, and an unbounded one
-    would grow with every distinct key a long-running process sees."""
-    value = memo.get(key, _MISSING)
-    if value is _MISSING:
-        value = make()
-        if len(memo) >= limit:
-            memo.clear()
-        memo[key] = value
-    return value
+    return memo_get(memo, ("reads", *values), lambda: _reads(values, graph), _MEMO_MAX)  # a write's key: pairs, never this
 
 
 def _experts(value, address: Address, op: str, columns, graph) -> tuple[int, ...] | None:
