@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+import random
 import statistics
 import time
 from typing import Callable, Iterable
@@ -40,8 +41,9 @@ def count_engine_steps() -> None:
 
 def interleaved_samples(fns: dict[str, Callable[[], object]], repeats: int, warmup: int = 3,
                         min_seconds: float = 0.0, max_repeats: int = 200) -> dict[str, list[float]]:
-    """Run each fn ``warmup`` times, then ``repeats`` rounds of one call each, interleaved;
-    return each name's seconds per call, round by round (index i of every list is round i).
+    """Run each fn ``warmup`` times, then ``repeats`` rounds of one call each, interleaved, each
+    round in a fresh (seeded) random order; return each name's seconds per call, round by round
+    (index i of every list is round i).
 
     ``min_seconds``: run more rounds (up to ``max_repeats``) where ``repeats`` of them would
     take less, judged by the last warmup round. Short calls (a prefill) are the noisiest: an
@@ -57,8 +59,15 @@ def interleaved_samples(fns: dict[str, Callable[[], object]], repeats: int, warm
         repeats = max(repeats, min(max_repeats, math.ceil(min_seconds / round_s)))
     samples: dict[str, list[float]] = {name: [] for name in fns}
     steps: dict[str, list[int]] = {name: [] for name in fns}
+    names = list(fns)
+    order = random.Random(0)
     for _ in range(repeats):
-        for name, fn in fns.items():
+        # each round in its own order: a call can be slowed by the one before it (another
+        # engine's processes still spinning on the cores, its caches), and in one fixed order a
+        # column would always follow the same other one
+        order.shuffle(names)
+        for name in names:
+            fn = fns[name]
             n0 = _STEPS[0]
             t0 = time.perf_counter()
             fn()

@@ -18,12 +18,27 @@ the 95% confidence interval of its median (met, MISSED, or within noise). Each l
 says how many engine steps (forwards) its rounds took: vLLM may run a round's 16 prefills in
 one forward or in two, for plain ``llm.generate`` as for interp_engine.
 
-    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_static.py [--variant tiny|bench] [--repeats N]
+Each target is also judged against a second baseline, the vllm-static engine itself driven by
+plain ``llm.generate`` (the same worker process and compiled graph, its taps idle): on this
+2-core machine every engine's worker is bound to the same core and vLLM's idle workers keep
+spinning for a second after their last read, so engines slow each other, and with interp_engine
+traffic interleaved the plain compiled engine has served the same requests up to ~35% slower
+than the vllm-static engine (without it, the two take the same time). Judged against both, a
+ratio is not flattered by a slow baseline engine; the second one leaves out what idle taps cost,
+which the first one holds.
+
+It runs two sizes of random Qwen3, one after the other, and ends with every verdict of both:
+``tiny`` (3 layers, d_model 128), where a forward takes a few milliseconds and the per-request
+host work (plans on the wire, row maps, reading captures back) weighs most, and ``bench``
+(8 layers, d_model 512, 26M parameters), the size issue 10 measured the runtime's costs on.
+
+    PYTHONPATH=$PWD .venv/bin/python benchmarks/bench_static.py [--variants tiny,bench] [--repeats N]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -35,24 +50,39 @@ from _timing import (LAST_REPEATS, count_engine_steps, gathered, interleaved_sam
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--arch", default="qwen3")
-    parser.add_argument("--variant", default="tiny")
+    parser.add_argument("--variants", default="tiny,bench",
+                        help="the arch's recipe variants, run one after another in this run (comma-separated): "
+                             "tiny (3 layers, d_model 128: the per-request host work weighs most) and bench "
+                             "(8 layers, d_model 512, 26M parameters: the size issue 10 measured its costs on)")
+    parser.add_argument("--variant", default=None, help="one variant only (same as --variants VARIANT)")
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--min-seconds", type=float, default=30.0,
-                        help="seconds of rounds per row, at least (up to 200 rounds): about 30 s give a 16-request row a 95%% CI of +-3%% on this 2-core machine, 8 s +-20%%; the whole run takes about 8 min")
+    parser.add_argument("--min-seconds", type=float, default=20.0,
+                        help="seconds of rounds per row, at least (up to 200 rounds): about 30 s give a 16-request row a 95%% CI of +-3%% on this 2-core machine, 8 s +-20%%; the whole run (both variants) takes about 8 min")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     torch.set_num_threads(1)
-
-    from vllm import LLM, SamplingParams
-
     count_engine_steps()  # how many forwards each round took, next to its time (report)
+    summary: list[tuple[str, str, str, tuple[float, float, float], tuple[float, float, float], float]] = []
+    for variant in (args.variant,) if args.variant else tuple(args.variants.split(",")):
+        _variant(args, variant, summary)
+        gc.collect()
+    print("\nverdicts: paired ratio, median [95% CI], against plain compiled vLLM | against the vllm-static "
+          "engine driven by plain llm.generate")
+    for variant, row, name, spread, own, target in summary:
+        print(f"  {variant:<6} {row:<26} {name:<38} <= {target:.2f}: {spread[0]:6.3f} [{spread[1]:.3f}-{spread[2]:.3f}] "
+              f"{verdict(spread, target):<12} | {own[0]:6.3f} [{own[1]:.3f}-{own[2]:.3f}] {verdict(own, target)}")
+
+
+def _variant(args, variant: str, summary: list) -> None:
+    """Every row of one model size: its own engines, closed at the end."""
+    from vllm import LLM, SamplingParams
 
     from interp_engine import Address, SteerSpec, load_model
     from interp_engine.testing import tiny_model
 
-    path = tiny_model(args.arch, args.variant)
+    path = tiny_model(args.arch, variant)
     hooks = load_model(path, backend="vllm")
     n_layers = hooks.n_layers
     site = f"resid_post.{n_layers // 2}"
@@ -67,7 +97,7 @@ def main() -> None:
     points = [Address("resid_post", layer) for layer in range(n_layers)]
     v = torch.randn(hooks.d_model, generator=torch.Generator().manual_seed(0))
     spec = SteerSpec.add(site, v / v.norm(), scale=2.0)
-    print(f"\n{args.arch} {args.variant}: {n_layers} layers, d_model {hooks.d_model}; "
+    print(f"\n{args.arch} {variant}: {n_layers} layers, d_model {hooks.d_model}; "
           f"static buffers {static.backend.static_buffer_bytes / 2**20:.1f} MiB per worker")
 
     for n_req in (1, 16):
@@ -104,10 +134,13 @@ def main() -> None:
             mid = medians(samples)
             baseline = "plain compiled vLLM (llm.generate)"
             targets = {"vllm-static, capture resid_post x all": 1.15, f"vllm-static, steer {site}": 1.05}
-            report(f"{n_req} concurrent request(s), {what}; medians of {LAST_REPEATS[0]} rounds", mid, baseline,
+            report(f"{variant}: {n_req} concurrent request(s), {what}; medians of {LAST_REPEATS[0]} rounds", mid, baseline,
                    {name: f"<= {t:.2f}" for name, t in targets.items()}, samples)
+            own = "vllm-static engine, llm.generate"
             for name, target in targets.items():
                 spread = paired_ratio(samples, name, baseline)
+                summary.append((variant, f"{n_req} request(s), {'prefill' if tokens == 1 else f'{tokens} tokens'}",
+                                name, spread, paired_ratio(samples, name, own), target))
                 print(f"  {verdict(spread, target):>12}: {name} paired {spread[0]:.3f} "
                       f"[{spread[1]:.3f}-{spread[2]:.3f}], ratio of medians {mid[name] / mid[baseline]:.3f}; "
                       f"target <= {target:.2f}x")
@@ -116,6 +149,10 @@ def main() -> None:
                 if same is not None and same[3] < LAST_REPEATS[0]:
                     print(f"  {'same steps':>12}: {name} paired {same[0]:.3f} [{same[1]:.3f}-{same[2]:.3f}] in the "
                           f"{same[3]} of {LAST_REPEATS[0]} rounds where it took as many engine steps as the baseline")
+            for name, target in targets.items():  # the cross-check: the same engine, driven by plain vLLM
+                spread = paired_ratio(samples, name, own)
+                print(f"  {verdict(spread, target):>12}: {name} against {own}: paired {spread[0]:.3f} "
+                      f"[{spread[1]:.3f}-{spread[2]:.3f}]")
             # what the compiled taps and sites themselves cost: the same driver with no plan
             for name in targets:
                 mid_r, lo, hi = paired_ratio(samples, name, "vllm-static, no plan (interp_engine)")
@@ -123,6 +160,7 @@ def main() -> None:
                       f"   paired {mid_r:6.3f} (95% CI {lo:.3f}-{hi:.3f})")
     static.close()
     hooks.close()
+    del plain, eager_llm  # (the caller collects: its engine core goes before the next size's start)
 
 
 if __name__ == "__main__":
