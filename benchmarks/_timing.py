@@ -146,15 +146,24 @@ def verdict(spread: tuple[float, float, float], target: float) -> str:
 
 
 def gathered(make: Callable[[], Iterable]) -> Callable[[], None]:
-    """A timed function: one ``asyncio.run`` of the coroutines ``make()`` returns, gathered
-    (concurrent requests), whose results are dropped inside the loop once all are in. Python
-    3.11's ``asyncio.run`` formats the repr of the result its coroutine returns (its SIGINT
-    handler's repr holds the main task), which for captured tensors takes longer than the
-    requests did: returning them would time ``repr``, not the engine."""
+    """A timed function: the coroutines ``make()`` returns, gathered (concurrent requests), run
+    on one event loop that every round of every column shares (as a server's loop serves its
+    requests; a new loop per round, ``asyncio.run``, costs about 0.1 ms here, which no engine's
+    own work holds). Their results are dropped inside the loop once all are in."""
     async def go() -> None:
         results = await asyncio.gather(*make())
         del results
-    return lambda: asyncio.run(go())
+    return lambda: _loop().run_until_complete(go())
+
+
+_LOOPS: list[asyncio.AbstractEventLoop] = []
+
+
+def _loop() -> asyncio.AbstractEventLoop:
+    """The benchmarks' one event loop (made on first use; the process's exit closes it)."""
+    if not _LOOPS:
+        _LOOPS.append(asyncio.new_event_loop())
+    return _LOOPS[0]
 
 
 def report(title: str, values: dict[str, float], baseline: str, targets: dict[str, str] | None = None,
