@@ -137,10 +137,11 @@ def _variant(args, variant: str, summary: list) -> None:
             report(f"{variant}: {n_req} concurrent request(s), {what}; medians of {LAST_REPEATS[0]} rounds", mid, baseline,
                    {name: f"<= {t:.2f}" for name, t in targets.items()}, samples)
             own = "vllm-static engine, llm.generate"
+            against_own = {name: paired_ratio(samples, name, own) for name in targets}
             for name, target in targets.items():
                 spread = paired_ratio(samples, name, baseline)
                 summary.append((variant, f"{n_req} request(s), {'prefill' if tokens == 1 else f'{tokens} tokens'}",
-                                name, spread, paired_ratio(samples, name, own), target))
+                                name, spread, against_own[name], target))
                 print(f"  {verdict(spread, target):>12}: {name} paired {spread[0]:.3f} "
                       f"[{spread[1]:.3f}-{spread[2]:.3f}], ratio of medians {mid[name] / mid[baseline]:.3f}; "
                       f"target <= {target:.2f}x")
@@ -150,7 +151,7 @@ def _variant(args, variant: str, summary: list) -> None:
                     print(f"  {'same steps':>12}: {name} paired {same[0]:.3f} [{same[1]:.3f}-{same[2]:.3f}] in the "
                           f"{same[3]} of {LAST_REPEATS[0]} rounds where it took as many engine steps as the baseline")
             for name, target in targets.items():  # the cross-check: the same engine, driven by plain vLLM
-                spread = paired_ratio(samples, name, own)
+                spread = against_own[name]
                 print(f"  {verdict(spread, target):>12}: {name} against {own}: paired {spread[0]:.3f} "
                       f"[{spread[1]:.3f}-{spread[2]:.3f}]")
             # what the compiled taps and sites themselves cost: the same driver with no plan
@@ -160,7 +161,6 @@ def _variant(args, variant: str, summary: list) -> None:
                       f"   paired {mid_r:6.3f} (95% CI {lo:.3f}-{hi:.3f})")
     static.close()
     hooks.close()
-    del plain, eager_llm  # (the caller collects: its engine core goes before the next size's start)
 
 
 if __name__ == "__main__":
