@@ -11,7 +11,7 @@ interp_engine in it):
 static capture <= 1.15x plain compiled, static steering <= 1.05x, both faster than hooks.
 Each block also prints capture and steering against vllm-static driven with no plan (the same
 interp_engine client path), which isolates what the compiled taps and sites cost from what the
-client costs.
+client costs, as a ratio and as time per request (a plan's cost is per request, not per forward).
 All engines stay up and the variants run interleaved, so machine noise hits them alike; each
 target is judged on the paired ratio (each round's time over the baseline's in that round) and
 the 95% confidence interval of its median (met, MISSED, or within noise). Each line also
@@ -154,11 +154,15 @@ def _variant(args, variant: str, summary: list) -> None:
                 spread = against_own[name]
                 print(f"  {verdict(spread, target):>12}: {name} against {own}: paired {spread[0]:.3f} "
                       f"[{spread[1]:.3f}-{spread[2]:.3f}]")
-            # what the compiled taps and sites themselves cost: the same driver with no plan
+            # what the compiled taps and sites themselves cost: the same driver with no plan,
+            # also as host time per request (a plan's cost is per request: docs/vllm.md, Speed)
+            none = "vllm-static, no plan (interp_engine)"
             for name in targets:
-                mid_r, lo, hi = paired_ratio(samples, name, "vllm-static, no plan (interp_engine)")
-                print(f"  {name + ' / no plan':<44} ratio {mid[name] / mid['vllm-static, no plan (interp_engine)']:6.3f}"
-                      f"   paired {mid_r:6.3f} (95% CI {lo:.3f}-{hi:.3f})")
+                mid_r, lo, hi = paired_ratio(samples, name, none)
+                print(f"  {name + ' / no plan':<44} ratio {mid[name] / mid[none]:6.3f}"
+                      f"   paired {mid_r:6.3f} (95% CI {lo:.3f}-{hi:.3f})   "
+                      f"{(mid[name] - mid[none]) / n_req * 1e6:+.0f} us a request"
+                      f"{f' (over its {tokens} tokens)' if tokens > 1 else ''}")
     static.close()
     hooks.close()
 
