@@ -74,6 +74,10 @@ class _Site:
     free: list = field(default_factory=list)
     # one-vector ops of the same content share one slot: (op, coef, id(vector)) -> [slot, vector, holders]
     shared: dict = field(default_factory=dict)
+    # the entries of ``shared`` no request holds any more, oldest first: their slots still hold
+    # their vectors, for the next request that steers with the same one; taken back for ``free``
+    # when it runs short
+    idle: dict = field(default_factory=dict)
     key: tuple | None = None  # what the maps hold: [(s, e, slot, add) | (rows, slots, add)], None: empty
     used: int = 0  # slot_of rows written (CUDA only)
 
@@ -150,7 +154,8 @@ class StaticTaps:
         A one-vector op whose op, coefficients and vector object another request in flight
         already holds shares that request's slot (requests steering with one SteerSpec decode to
         one vector object in the worker; an add's scale is inside its vector): it writes
-        nothing, takes no slot of its own, and its rows can join its neighbours' in one slice add."""
+        nothing, takes no slot of its own, and its rows can join its neighbours' in one slice add.
+        So does one whose slot no request holds any more but still holds its vector (``forget``)."""
         for address in request.plan.reads:
             if address not in self.taps:
                 raise ValueError(f"{address} is not a declared static tap (declared: {[str(a) for a in self.taps]})")
@@ -173,28 +178,39 @@ class StaticTaps:
                 adds.append(coef == (1.0, 0.0))  # x + v: the op's one-call path (static_ops)
                 width = site.vec.shape[1]
                 source = None if op.op in VECTORLESS else request.vectors[i]
+                # what the slot's vector is made from: the decoded op's own vector, one object
+                # for every request that sends it (the wire memo), where ``source`` is a copy of
+                # it per request on a GPU
+                origin = None if source is None else op.vector
                 if source is None or source.dim() == 1 or source.shape[0] == 1:
-                    key = (op.op, coef, None if source is None else id(source))
+                    key = (op.op, coef, None if origin is None else id(origin))
                     entry = site.shared.get(key)
-                    if entry is not None and entry[1] is source:  # (the entry keeps its vector alive)
+                    if entry is not None and entry[1] is origin:  # (the entry keeps its vector alive)
+                        if entry[2] == 0:  # a slot nobody held since its last request: as it was left
+                            del site.idle[key]
                         entry[2] += 1
                         held.append((site, [entry[0]], key))
                         continue
                 else:
                     key = None
                 vector = torch.zeros(1, width) if source is None else source.reshape(-1, width)
+                while len(site.free) < vector.shape[0] and site.idle:  # the oldest idle slot back
+                    gone = next(iter(site.idle))
+                    site.free.append(site.idle.pop(gone)[0])
+                    del site.shared[gone]
                 if len(site.free) < vector.shape[0]:
                     raise RuntimeError(f"{op.address}: all {self.n_slots} static steering slots are in use "
                                        "(raise static_slots when loading the model)")
                 slots = [site.free.pop() for _ in range(vector.shape[0])]
-                held.append((site, slots, key))
+                held.append((site, slots, None))  # (shared once its vector is in: below)
                 if key is not None:  # one vector (the usual op): its slot's rows written in place
-                    site.shared[key] = [slots[0], source, 1]
                     j = slots[0]
                     keep, clear = (site.direction, site.vec) if op.op == "ablate" else (site.vec, site.direction)
                     keep[j].copy_(vector[0])
                     clear[j].zero_()
                     site.coef[j].copy_(torch.tensor(coef, dtype=torch.float64))
+                    site.shared[key] = [j, origin, 1]
+                    held[-1] = (site, slots, key)
                 else:
                     index = torch.tensor(slots, device=self.device)
                     if op.op == "ablate":
@@ -210,13 +226,17 @@ class StaticTaps:
         request.static_adds = adds  # op i only adds
 
     def forget(self, request) -> None:
+        """``request``'s slots back. A one-vector op's slot keeps its vector while it is free
+        (``_Site.idle``): a later request steering with the same vector object (the worker decodes
+        a SteerSpec that requests send again to the one object it kept) takes it as it is,
+        without writing it again; another vector takes it back once no slot is free."""
         for site, slots, key in self.owned.pop(id(request), ()):
             if key is not None:
                 entry = site.shared[key]
                 entry[2] -= 1
-                if entry[2] > 0:
-                    continue  # other requests still steer from this slot
-                del site.shared[key]
+                if entry[2] == 0:  # nobody steers from it now: idle, newest last
+                    site.idle[key] = entry
+                continue
             site.free.extend(slots)
 
     # ---- per step: outside the graph ---------------------------------------------------

@@ -25,6 +25,10 @@ POST0, MLP1 = Address("resid_post", 0), Address("mlp_out", 1)
 
 
 def _request(reads, writes, vectors, prompt_len):
+    """A worker's request: each op's ``vector`` is its decoded vector (one object per content,
+    as the wire memo makes it), ``vectors`` the request's copies on the model's device."""
+    for op, vector in zip(writes, vectors):
+        op.vector = vector
     plan = SimpleNamespace(reads=tuple(reads), writes=tuple(writes))
     return SimpleNamespace(plan=plan, vectors=vectors, prompt_len=prompt_len, error=None)
 
@@ -167,7 +171,8 @@ def test_a_worker_refuses_two_writes_at_one_site_in_one_request():
     with pytest.raises(ValueError, match="two steering ops at resid_post.0 in one request"):
         taps.admit(request)
     taps.forget(request)
-    assert len(taps.sites[POST0].free) == 4  # the slot the first op took is back
+    site = taps.sites[POST0]
+    assert len(site.free) == 3 and len(site.idle) == 1  # the slot the first op took is free (idle) again
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -202,12 +207,56 @@ def test_requests_steering_with_one_vector_share_its_slot_until_the_last_lets_go
     torch.testing.assert_close(out[4:6], x[4:6] + w, atol=0, rtol=0)
     for request in (b, c, d):
         taps.forget(request)
-    assert len(site.free) == 4 and not site.shared
+    assert len(site.free) == 1 and len(site.idle) == 3  # the slots they held are free again, keeping their vectors
     # vectorless ops share by their coefficients: a factor of 0.5 and one of 2 are two slots
     e, f, h = (_request([], [_op(POST0, "scale", scale=k)], [None], prompt_len=2) for k in (0.5, 2.0, 0.5))
     for request in (e, f, h):
         taps.admit(request)
-    assert len(site.free) == 2 and e.static_slots == h.static_slots != f.static_slots
+    # the free slot, then the oldest idle one taken back for the second factor
+    assert not site.free and len(site.idle) == 2 and e.static_slots == h.static_slots != f.static_slots
     taps.fill([(e, 0, 2), (f, 2, 4), (h, 4, 6)], torch.tensor([0, 1, 0, 1, 0, 1]))
     out = _run(taps, x[:6], None, fixed)
     torch.testing.assert_close(out, torch.cat([0.5 * x[:2], 2 * x[2:4], 0.5 * x[4:6]]))
+
+
+@pytest.mark.parametrize("fixed", [False, True], ids=["rows", "fixed"])
+def test_a_free_slot_keeps_its_vector_for_the_next_request_that_sends_it(fixed):
+    """A request alone (one at a time, as a client steering prompt after prompt) takes the slot
+    the last one with the same decoded vector left, without writing it again, also where each
+    request's vector is a copy of its own (a GPU worker moves the decoded vector per request);
+    other vectors take idle slots back, the oldest first, once no slot is free; and a slot taken
+    back is written with its new vector, never steered with the old one."""
+    g = torch.Generator().manual_seed(2)
+    vs = [torch.randn(D, generator=g) for _ in range(6)]
+    taps = _taps("cpu", fixed)
+    site = taps.sites[POST0]
+    x = torch.randn(2, D, generator=g)
+
+    def steer_alone(vector, kind="add"):
+        request = _request([], [_op(POST0, kind)], [vector], prompt_len=2)
+        request.plan.writes[0].vector = vector  # the decoded op's vector object; the request's a copy
+        request.vectors = [vector.clone()]
+        taps.admit(request)
+        taps.fill([(request, 0, 2)], torch.arange(2))
+        out = _run(taps, x, None, fixed)
+        taps.forget(request)
+        taps.fill([], None)
+        return request.static_slots[0][0], out
+
+    first, out = steer_alone(vs[0])
+    assert torch.equal(out, x + vs[0])
+    site.vec[first].zero_()  # a slot taken as it was left is not written again
+    again, out = steer_alone(vs[0])
+    assert again == first and torch.equal(out, x)
+    site.vec[first].copy_(vs[0])
+    assert steer_alone(vs[0].clone())[0] != first  # an equal vector, another object: a slot of its own
+    assert len({steer_alone(v)[0] for v in vs[1:3]} | {first}) == 3
+    assert not site.free and len(site.idle) == 4
+    # another vector: the oldest idle slot (vs[0]'s) comes back, written with it
+    slot, out = steer_alone(vs[3])
+    assert slot == first and torch.equal(out, x + vs[3]) and len(site.idle) == 4
+    slot, out = steer_alone(vs[0])  # vs[0] again: its slot went, so another one, written with it
+    assert slot != first and torch.equal(out, x + vs[0])
+    slot, out = steer_alone(vs[3], "set")  # the same vector, another op: its own slot
+    assert slot != first
+    torch.testing.assert_close(out, vs[3].expand(2, D), atol=0, rtol=0)
