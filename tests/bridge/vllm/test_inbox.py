@@ -84,14 +84,31 @@ def test_one_token_captures_sit_side_by_side_in_each_points_block_of_a_shared_sl
         inbox.leave(s1)
         assert s1.users == 1 and [s1.start, s1.start + s1.nbytes] not in inbox._free  # still used
         inbox.leave(s2)  # its last user: back to the file
-        inbox.leave(s3)
+        assert [s1.start, s1.start + s1.nbytes] in inbox._free
+        inbox.leave(s3)  # the slab taking requests: kept, idle, for the next request from its first row
+        assert inbox._slabs[(3, 5)] is s3 and s3.used == 0
+        s4, at4 = inbox.rows((3, 5), 2)
+        assert s4 is s3 and at4 == at3 and s3.users == 1
+        inbox.leave(s4)
         inbox.leave(other)
-        assert inbox._free == [[0, 1 << 16]] and not inbox._slabs
+        assert inbox.reclaim() and inbox._free == [[0, 1 << 16]] and not inbox._slabs
         monkeypatch.setattr(inbox_module, "_SLABS", 1)
         first, _ = inbox.rows((3, 5), 1)
         assert inbox.rows((7,), 1) is None  # no second slab while one takes requests
         inbox.leave(first)
-        assert inbox._free == [[0, 1 << 16]]
+        second, _ = inbox.rows((7,), 1)  # an idle one goes back for it
+        assert second is not first and list(inbox._slabs) == [(7,)]
+        inbox.leave(second)
+        assert inbox.reclaim() and inbox._free == [[0, 1 << 16]] and not inbox._slabs
+        # a region that fits only where an idle slab is: the slab goes back for it
+        quarter = (1 << 16) // 4
+        regions = [inbox.take(quarter) for _ in range(4)]
+        assert regions == [0, quarter, 2 * quarter, 3 * quarter]
+        inbox.give(regions[2], quarter)
+        idle, _ = inbox.rows((3, 5), 1)
+        inbox.leave(idle)
+        assert idle.start == regions[2] and inbox._slabs[(3, 5)] is idle
+        assert inbox.take(quarter) == regions[2] and not inbox._slabs
     finally:
         inbox.close()
 
@@ -138,7 +155,10 @@ def _eager(eager, prompt: str, points) -> dict[Address, torch.Tensor]:
 
 
 def _whole(backend) -> bool:
+    """Every byte of the inbox free again, bar idle slabs (kept for the next one-token capture,
+    and no request's): given back here."""
     inbox = backend._inbox
+    inbox.reclaim()
     return inbox._free == [[0, inbox.size]] and inbox.held == 0 and not inbox._slabs
 
 
