@@ -260,3 +260,74 @@ def test_a_free_slot_keeps_its_vector_for_the_next_request_that_sends_it(fixed):
     slot, out = steer_alone(vs[3], "set")  # the same vector, another op: its own slot
     assert slot != first
     torch.testing.assert_close(out, vs[3].expand(2, D), atol=0, rtol=0)
+
+
+def _graph_body(taps, x: torch.Tensor, y: torch.Tensor) -> None:
+    """One step of a compiled layer: its input copied (a replay must not steer the input it was
+    given twice), steered at POST0 in place, then every tap reading it, through the registered
+    ops, as vLLM's compiled graph calls them."""
+    site = taps.sites[POST0]
+    y.copy_(x)
+    torch.ops.interp_engine.steer(y, None, site.vec, site.direction, site.coef, site.rows, site.slots,
+                                  site.count, site.slot_of)
+    for tap in taps.taps.values():
+        tap.run(y, None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device (benchmarks/gpu_check.sh)")
+def test_a_captured_cuda_graph_follows_the_maps_and_vectors_written_between_replays():
+    """What vLLM does on a GPU: the compiled layer is captured once into a CUDA graph and
+    replayed every step, while the runtime writes each step's row maps and slot vectors in place
+    between replays (``admit``, ``fill``). A replay must follow them (other requests at other
+    rows, a vector in a slot that held another, nothing at all), never the values it was
+    captured with, and read nothing back to the host (a read would fail the capture)."""
+    g = torch.Generator().manual_seed(3)
+    v, w = torch.randn(D, generator=g).cuda(), torch.randn(D, generator=g).cuda()
+    taps = _taps("cuda", True)
+    x, y = torch.zeros(8, D, device="cuda"), torch.zeros(8, D, device="cuda")
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up off the capturing stream, as torch asks
+        _graph_body(taps, x, y)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        _graph_body(taps, x, y)
+
+    def step(active, positions):
+        taps.fill(active, positions)
+        x.copy_(torch.randn(8, D, generator=g))
+        graph.replay()
+        got = {}
+        taps.drain(_each(lambda request, address, rows, s, e: got.__setitem__((id(request), address), rows)))
+        return x.clone(), y.clone(), got
+
+    a = _request([POST0, MLP1], [_op(POST0, "add")], [v], prompt_len=3)
+    b = _request([], [_op(POST0, "set")], [w], prompt_len=3)
+    for request in (a, b):
+        taps.admit(request)
+    # rows 0-2: a; 3: padding; 4-6: b; 7: padding
+    before, after, got = step([(a, 0, 3), (b, 4, 7)], torch.tensor([0, 1, 2, 9, 0, 1, 2, 9]))
+    want = before.clone()
+    want[0:3] += v
+    want[4:7] = w
+    assert torch.equal(after, want)
+    assert set(got) == {(id(a), POST0), (id(a), MLP1)} and torch.equal(got[(id(a), POST0)], want[0:3].cpu())
+    # a leaves; c steers from a slot b left, with another vector, at other rows, and reads
+    taps.forget(a)
+    taps.forget(b)
+    c = _request([POST0], [_op(POST0, "add")], [v + w], prompt_len=2)
+    d = _request([], [_op(POST0, "add")], [-v], prompt_len=2)
+    for request in (c, d):
+        taps.admit(request)
+    before, after, got = step([(d, 0, 2), (c, 5, 7)], torch.tensor([0, 1, 9, 9, 9, 0, 1, 9]))
+    want = before.clone()
+    want[0:2] -= v
+    want[5:7] += v + w
+    assert torch.equal(after, want)
+    assert set(got) == {(id(c), POST0)} and torch.equal(got[(id(c), POST0)], want[5:7].cpu())
+    # nobody: the replay leaves every row as it came, and no tap has readers
+    taps.forget(c)
+    taps.forget(d)
+    before, after, got = step([], None)
+    assert torch.equal(after, before) and not got
