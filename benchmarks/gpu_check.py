@@ -65,7 +65,7 @@ def kernel_hazard(device: str) -> str:
     if device == "cuda":  # the path a replayed CUDA graph runs
         tap_fixed(x, residual, buf, torch.arange(n, device=device))
     else:
-        tap_rows(x, residual, buf, torch.arange(n), torch.tensor([n]))
+        tap_rows(x, residual, buf, torch.arange(n), torch.tensor([n, 0]))  # (count: rows, not one prefix slice)
     before = residual.clone()
     try:
         import vllm._custom_ops  # noqa: F401  (loads torch.ops._C)

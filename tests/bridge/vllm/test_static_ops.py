@@ -331,3 +331,22 @@ def test_a_captured_cuda_graph_follows_the_maps_and_vectors_written_between_repl
     taps.forget(d)
     before, after, got = step([], None)
     assert torch.equal(after, before) and not got
+
+
+def test_the_gpu_checks_kernel_check_runs_on_the_ops_as_they_are():
+    """``benchmarks/gpu_check.py`` runs by hand, when a GPU is lent; its hazard check calls the
+    ops directly, so it runs here too (on vLLM's CPU fused_add_rms_norm where this build has
+    it), to keep it in step with the ops' signatures (it once fell behind a change to ``count``
+    unnoticed until its dry run). Its engine checks use the public API, which the engine tests
+    and the spec examples keep."""
+    pytest.importorskip("vllm")
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[3] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_here", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    module.kernel_hazard("cpu")
+    name, ok, detail = module.RESULTS[-1]
+    assert ok, f"{name}: {detail}"
