@@ -639,10 +639,20 @@ class VllmBackend:
         loop.call_soon(kick)
 
     def _release(self) -> None:
-        """Hand every queued request to the driver at once, and wake it."""
+        """Hand every queued request to the engine at once, and wake the driver. A multiprocess
+        engine whose driver is between steps (not holding _lock) gets them from this thread: its
+        engine core starts on them while the driver thread wakes (a thread wake-up, about 0.1 ms
+        on a busy machine, is then off the request's path). Inside a step, the driver adds them
+        before its next one."""
         with self._wake:
             self._incoming += self._queued
             self._queued = []
+        if not self.in_process and self._lock.acquire(blocking=False):
+            try:
+                if self._llm is not None and self._incoming:
+                    self._admit(self._llm)
+            finally:
+                self._lock.release()
         self._ensure_driver()
 
     def _admit(self, llm) -> None:

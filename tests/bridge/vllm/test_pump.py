@@ -21,7 +21,12 @@ class _Engine:
 
     def __init__(self, finishes: list[set[str]]):
         self.finishes, self.live, self.rpcs = list(finishes), set(), []
+        self.added: list[tuple[str, int]] = []  # (request id, the thread that added it)
         self.llm_engine = self
+
+    def add_request(self, rid, prompt, params) -> None:
+        self.added.append((rid, threading.get_ident()))
+        self.live.add(rid)
 
     def add(self, *ids: str) -> None:
         self.live |= set(ids)
@@ -52,6 +57,7 @@ def _backend(engine: _Engine) -> VllmBackend:
     backend._in_process, backend.world = False, 1  # a multiprocess engine's driver
     backend._lock, backend._wake = threading.RLock(), threading.Condition()
     backend._requests, backend._held, backend._incoming, backend._queued = {}, [], [], []
+    backend._ensure_driver = lambda: None  # the tests step it themselves
     return backend
 
 
@@ -140,3 +146,51 @@ def test_an_in_process_engine_steps_on_between_its_loops_turns_but_not_for_long(
         assert engine.steps - before < 50
     assert engine.steps == 200 and seen == [True]  # the handing step ended its turn
     assert backend._pump_on() is None and engine.steps == 200  # nothing in flight: no step
+
+
+def _queue(backend: VllmBackend, name: str, seen: list) -> _Request:
+    request = _Request(name, name, Plan(), 3, None, seen.append, max_tokens=1)
+    backend._queued.append((request, {"prompt_token_ids": [1, 2, 3]}, None))
+    return request
+
+
+def test_a_release_hands_requests_to_an_engine_between_steps_from_the_releasing_thread():
+    """The engine core starts on a request while the driver thread is still waking (the
+    wake-up is off the request's path): the thread releasing it adds it when no step runs."""
+    engine = _Engine([{"a"}])
+    backend, seen = _backend(engine), []
+    _queue(backend, "a", seen)
+    backend._release()
+    assert engine.added == [("a", threading.get_ident())]
+    assert not backend._incoming and "a" in backend._requests
+    backend._pump()
+    assert [out.finished for out in seen] == [True]
+
+
+def test_a_release_during_a_step_leaves_its_requests_to_the_driver_without_waiting():
+    """A caller never waits for a running step to hand its request over: the stepping thread
+    holds the engine, so the request waits for the driver's next step, which adds it."""
+    engine = _Engine([{"a"}])
+    backend, seen = _backend(engine), []
+    stepping, done = threading.Event(), threading.Event()
+
+    def step():
+        with backend._lock:  # the driver inside a step
+            stepping.set()
+            done.wait(10)
+
+    holder = threading.Thread(target=step)
+    holder.start()
+    try:
+        assert stepping.wait(10)
+        _queue(backend, "a", seen)
+        releaser = threading.Thread(target=backend._release)
+        releaser.start()
+        releaser.join(2)
+        assert not releaser.is_alive(), "the release waited for the step"
+        assert engine.added == [] and len(backend._incoming) == 1
+    finally:
+        done.set()
+        holder.join()
+    backend._pump()  # the driver's next step adds it first
+    assert [rid for rid, _ in engine.added] == ["a"] and [out.finished for out in seen] == [True]
