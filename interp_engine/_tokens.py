@@ -31,6 +31,8 @@ class TokenBatch:
         return [int(n) for n in self.attention_mask.sum(dim=1)]
 
     def row(self, i: int) -> list[int]:
+        if not self.padded:
+            return self.ids[i].tolist()
         return self.ids[i, : self.lengths[i]].tolist()
 
     def __len__(self) -> int:
@@ -90,19 +92,27 @@ def as_batch(tokens: TokensLike, d_vocab: int, pad_id: int = 0) -> TokenBatch:
         if len(tokens) == 0:
             raise ValueError("empty prompt: pass at least one token id")
         if all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
-            batch = _from_rows([list(tokens)], pad_id)
+            rows = [list(tokens)]
         elif all(isinstance(t, (list, tuple)) for t in tokens):
             rows = [list(r) for r in tokens]
             if any(len(r) == 0 for r in rows):
                 raise ValueError("empty prompt in batch: every row needs at least one token id")
             if not all(isinstance(t, int) and not isinstance(t, bool) for r in rows for t in r):
                 raise TypeError("token ids must be ints")
-            batch = _from_rows(rows, pad_id)
         else:
             raise TypeError(
                 f"cannot read tokens from {type(tokens).__name__} of mixed items: pass a list of "
                 "ids, a list of lists, a tensor, or model.to_tokens(text)"
             )
+        if all(len(r) == len(rows[0]) for r in rows):
+            # one prompt, or rows of one length (the common case): no padding, so no mask to
+            # build or check; the ids are checked here, as Python ints (a third of the time)
+            if min(map(min, rows)) < 0 or max(map(max, rows)) >= d_vocab:
+                bad = [t for r in rows for t in r if t < 0 or t >= d_vocab][:5]
+                raise ValueError(f"token ids outside the vocabulary [0, {d_vocab}): {bad}")
+            ids = torch.tensor(rows, dtype=torch.long)
+            return TokenBatch(ids, torch.ones_like(ids), padded=False)
+        batch = _from_rows(rows, pad_id)
     elif isinstance(tokens, str):
         raise TypeError("got a str where token ids were expected: call model.to_tokens(text) first")
     else:
