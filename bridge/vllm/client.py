@@ -639,15 +639,19 @@ class VllmBackend:
         loop.call_soon(kick)
 
     def _release(self) -> None:
-        """Hand every queued request to the engine at once, and wake the driver. A multiprocess
-        engine whose driver is between steps (not holding _lock) gets them from this thread: its
-        engine core starts on them while the driver thread wakes (a thread wake-up, about 0.1 ms
-        on a busy machine, is then off the request's path). Inside a step, the driver adds them
-        before its next one."""
+        """Hand every queued request to the engine at once, and wake the driver. One request
+        alone, released while a multiprocess engine's driver is between steps (not holding
+        _lock), goes to the engine from this thread: its engine core starts on it while the
+        driver thread wakes (a thread wake-up, about 0.1 ms on a busy machine, is then off the
+        request's path). Several at once are the driver's to add: added from here, the engine
+        core started its forward before the rest had arrived and split a gathered batch of 16
+        prefills into two forwards in 75% of rounds, against 25% when the driver adds them
+        (measured on the tiny model). Inside a step, the driver adds them before its next one."""
         with self._wake:
             self._incoming += self._queued
             self._queued = []
-        if not self.in_process and self._lock.acquire(blocking=False):
+            alone = len(self._incoming) == 1
+        if alone and not self.in_process and self._lock.acquire(blocking=False):
             try:
                 if self._llm is not None and self._incoming:
                     self._admit(self._llm)

@@ -194,3 +194,18 @@ def test_a_release_during_a_step_leaves_its_requests_to_the_driver_without_waiti
         holder.join()
     backend._pump()  # the driver's next step adds it first
     assert [rid for rid, _ in engine.added] == ["a"] and [out.finished for out in seen] == [True]
+
+
+def test_requests_released_together_are_added_by_the_driver_in_one_go():
+    """A gathered batch is not added from the releasing thread, one request at a time while the
+    engine core may already be running the first (which splits the batch into two forwards):
+    the driver adds them all before its step."""
+    engine = _Engine([{"a", "b", "c"}])
+    backend, seen = _backend(engine), []
+    for name in "abc":
+        _queue(backend, name, seen)
+    backend._release()
+    assert engine.added == [] and len(backend._incoming) == 3
+    backend._pump()
+    assert sorted(rid for rid, _ in engine.added) == ["a", "b", "c"]
+    assert sorted(out.finished for out in seen) == [True] * 3
