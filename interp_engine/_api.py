@@ -271,7 +271,9 @@ _CONFIGS: dict[tuple, SamplingConfig] = {}  # _sampling's checked configs, by wh
 
 def _steps(model: Model, prompt: list[int] | None, config: SamplingConfig, plan: Plan,
            capture: Any = None, embeds: torch.Tensor | None = None) -> Iterator[tuple[GenStep, str | None]]:
-    _refuse(model, plan)
+    """The request's generated tokens, one at a time. Its callers have refused ``plan`` already,
+    when they were called (a check per request, not two: on vllm-static it looks up every
+    captured address in the declared set)."""
     deltas = _TextDeltas(model)
     with contextlib.closing(model.backend.generate(prompt, config, plan, capture, embeds=embeds)) as raws:
         for raw in raws:

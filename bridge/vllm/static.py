@@ -99,12 +99,12 @@ class VllmStaticBackend(VllmBackend):
         for address in plan.reads:
             if not POINTS[address.name].vllm_static:
                 return CapabilityUnsupported("static_point", self.name, detail=f"capture {address}")
-            if address not in self.declaration.points:
+            if address not in self.declaration.point_set:
                 return CapabilityUnsupported("undeclared_static_point", self.name,
                                              detail=f"capture {address}; {self._declared_hint(False)}")
         sites: set[Address] = set()
         for op in plan.writes:
-            if op.address not in self.declaration.writes:
+            if op.address not in self.declaration.write_set:
                 return CapabilityUnsupported("undeclared_static_point", self.name,
                                              detail=f"steer {op.address}; {self._declared_hint(True)}")
             if op.address in sites:
