@@ -350,3 +350,19 @@ def test_the_gpu_checks_kernel_check_runs_on_the_ops_as_they_are():
     module.kernel_hazard("cpu")
     name, ok, detail = module.RESULTS[-1]
     assert ok, f"{name}: {detail}"
+
+
+@pytest.mark.parametrize("summed", [False, True], ids=["x", "x+y"])
+@pytest.mark.parametrize("k", [5, 3], ids=["every-row", "first-rows"])
+def test_a_tap_of_a_prefix_copies_those_rows_and_no_more(summed, k):
+    """``tap_rows``'s slice path (``count[1]`` 1: rows 0..k-1), both when they are every row of
+    the forward (no slices taken) and when they are the first rows only: the buffer holds
+    x (or x + y) there, and nothing past row k is touched."""
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(5, D, generator=g), torch.randn(5, D, generator=g)
+    buf = torch.full((MAX_TOKENS + 1, D), 7.0)
+    rows, count = torch.zeros(MAX_TOKENS, dtype=torch.long), torch.tensor([k, 1])
+    tap_rows(x, y if summed else None, buf, rows, count)
+    want = (x + y if summed else x)[:k]
+    torch.testing.assert_close(buf[:k], want, rtol=0, atol=0)
+    assert bool((buf[k:] == 7.0).all())
