@@ -18,7 +18,7 @@ import torch
 from jaxtyping import Float, Int
 
 from ._address import Address, AddressLike, expand_points
-from ._cache import Cache
+from ._cache import Cache, check_shapes
 from ._capabilities import CapabilityUnsupported
 from ._memo import memo_get
 from ._model import Model
@@ -474,7 +474,7 @@ def _capture_generation(self: Model, token_ids: Tokens, points: Sequence[Address
         capture = self.backend.new_capture()
         steps, finish = await _collect(self, prompt, config, plan, capture=capture)
         values = self.backend.assemble(plan, capture)
-        Cache(values, torch.ones((1, len(prompt) + len(steps) - 1), dtype=torch.long), self.graph)  # shape check
+        check_shapes(values, self.graph, 1, len(prompt) + len(steps) - 1)
         return _completion(steps, finish, n_logprobs), {a: values[a] for a in plan.reads}
     return run()
 

@@ -50,6 +50,24 @@ def _dims_of(address: Address, graph: Any) -> tuple[str, ...]:
     return dims
 
 
+def _exact_shapes(values: Mapping[Address, Any], graph: Any, batch: int, pos: int) -> bool:
+    """Whether every value is a tensor of exactly ``graph.shape_of`` its (existing) address at
+    ``batch`` and ``pos``."""
+    for address, t in values.items():
+        graph.check_address(address)
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != graph.shape_of(address, batch, pos):
+            return False
+    return True
+
+
+def check_shapes(values: Mapping[Address, Any], graph: Any, batch: int, pos: int) -> None:
+    """Raise as ``Cache(values, <a [batch, pos] mask>, graph)`` would, without building one:
+    for a capture that returns a plain dict (the async capture method). Exact shapes pass at a
+    lookup and a compare each; anything else goes through Cache, which says what is wrong."""
+    if not _exact_shapes(values, graph, batch, pos):
+        Cache(values, torch.ones((batch, pos), dtype=torch.long), graph)
+
+
 @dataclass(frozen=True, eq=False)
 class Cache:
     """Captured activations, ``[batch, pos, ...]`` per Address.
@@ -79,12 +97,7 @@ class Cache:
         graph, mask = self.graph, self.attention_mask
         if graph is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2:
             return False
-        batch, pos = int(mask.shape[0]), int(mask.shape[1])
-        for address, t in values.items():
-            graph.check_address(address)
-            if not isinstance(t, torch.Tensor) or tuple(t.shape) != graph.shape_of(address, batch, pos):
-                return False
-        return True
+        return _exact_shapes(values, graph, int(mask.shape[0]), int(mask.shape[1]))
 
     def _check_dims(self, values: dict[Address, Any]) -> None:
         sizes: dict[str, int] = {}

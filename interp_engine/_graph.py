@@ -146,6 +146,21 @@ class ModelGraph:
         return address
 
     def shape_of(self, address: Address, batch: int, pos: int) -> tuple[int, ...]:
+        # asked per captured point per request (every Cache and capture checks its rows): the
+        # shapes asked for are few (points x prompt lengths), kept once worked out
+        key = (address.name, address.stream is None, batch, pos)
+        shape = self._shapes.get(key)
+        if shape is None:
+            if len(self._shapes) >= 4096:
+                self._shapes.clear()
+            shape = self._shapes[key] = self._shape_of(address, batch, pos)
+        return shape
+
+    @cached_property
+    def _shapes(self) -> dict:
+        return {}  # (point name, whole stack, batch, pos) -> shape_of's answer
+
+    def _shape_of(self, address: Address, batch: int, pos: int) -> tuple[int, ...]:
         key = (address.name, address.stream is None)
         sized = self._sized_dims.get(key)
         if sized is None:  # the point's dims, model sizes filled in (batch and pos by name)

@@ -238,3 +238,20 @@ def test_pos_slice_keeps_those_positions_and_their_own_scales(eager_models, pos_
         cache.accumulated_resid(pos_slice=[0, 999])
     with pytest.raises(TypeError, match="pos_slice must be"):
         cache.accumulated_resid(pos_slice="last")
+
+
+def test_the_capture_method_checks_the_rows_the_backend_hands_back(eager_models, monkeypatch):
+    """``model.capture_generation`` returns a plain dict, not a Cache: its rows are still held
+    to the graph's shapes (check_shapes), so a backend that hands back a position too few is
+    caught there, naming the point."""
+    import asyncio
+
+    model = eager_models["qwen3"]
+    ids = model.to_tokens(PROMPT)[0].tolist()
+    _, rows = asyncio.run(model.capture_generation(ids, ["resid_post.0"], max_tokens=2, temperature=0.0))
+    assert tuple(rows[Address("resid_post", 0)].shape) == (1, len(ids) + 1, model.d_model)
+    assemble = model.backend.assemble
+    monkeypatch.setattr(model.backend, "assemble",
+                        lambda plan, capture: {a: t[:, :-1] for a, t in assemble(plan, capture).items()})
+    with pytest.raises(ValueError, match=r"resid_post\.0"):
+        asyncio.run(model.capture_generation(ids, ["resid_post.0"], max_tokens=2, temperature=0.0))
