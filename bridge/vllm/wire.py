@@ -461,12 +461,31 @@ def plan_from_args(extra_args: Mapping | None, graph=None, registry: VectorRegis
                     None if board is None else _board(board, reads, sink))
 
 
+def _mapping(value) -> bool:
+    # a dict (what msgpack and plan_to_wire make) without the ABC's slower instance check
+    return type(value) is dict or isinstance(value, Mapping)
+
+
+_ABSOLUTE: dict[str, None] = {}  # file paths seen absolute: an engine's few sinks and boards, every request
+
+
+def _absolute(path) -> bool:
+    """Whether ``path`` is a str and an absolute path."""
+    if type(path) is str and path in _ABSOLUTE:
+        return True
+    if not isinstance(path, str) or not os.path.isabs(path):
+        return False
+    if len(_ABSOLUTE) >= 64:
+        _ABSOLUTE.clear()
+    _ABSOLUTE[path] = None
+    return True
+
+
 def _board(value, reads: tuple[Address, ...], sink) -> tuple[str, int]:
     if reads and sink is None:
         raise _fail("a plan that reads brings its rows back by rpc: 'board' is only for plans that only write "
                     "or write their rows into a sink")
-    if not isinstance(value, Mapping) or not isinstance(value.get("path"), str) \
-            or not os.path.isabs(value["path"]) or isinstance(value.get("at"), bool) \
+    if not _mapping(value) or not _absolute(value.get("path")) or isinstance(value.get("at"), bool) \
             or not isinstance(value.get("at"), int) or value["at"] < 0:
         raise _fail("board must be {'path': an absolute file path, 'at': a byte offset >= 0} "
                     "(build it with plan_to_wire)")
@@ -483,13 +502,12 @@ def _ints(values, low: int) -> bool:
 
 def _per_read(value, names: list[str], low: int) -> bool:
     """Whether ``value`` maps exactly the reads ``names`` (distinct) to ints >= ``low``."""
-    return (isinstance(value, Mapping) and len(value) == len(names) and all(n in value for n in names)
+    return (_mapping(value) and len(value) == len(names) and all(n in value for n in names)
             and _ints(value.values(), low))
 
 
 def _sink(value, reads: tuple[Address, ...]) -> WireSink:
-    if not isinstance(value, Mapping) or not isinstance(value.get("path"), str) \
-            or not os.path.isabs(value["path"]):
+    if not _mapping(value) or not _absolute(value.get("path")):
         raise _fail("sink must be {'path': an absolute file path, 'offsets': {point: byte offset}, "
                     "'positions': rows per point} (build it with plan_to_wire)")
     positions, offsets = value.get("positions"), value.get("offsets")
