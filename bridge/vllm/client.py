@@ -121,15 +121,28 @@ class _Capture:
     values: dict[Address, torch.Tensor] | None = None
 
 
+@dataclass(frozen=True, eq=False)
+class _Rows:
+    """How one set of reads lies in the inbox, worked out once per set (``_inbox_rows``): in
+    plan order, each read's address, its name on the wire and its row width in floats;
+    ``wire_widths`` is the sink's ``widths`` as sent (one dict every request shares, read only)."""
+
+    reads: tuple[Address, ...]
+    names: tuple[str, ...]
+    widths: tuple[int, ...]
+    wire_widths: dict[str, int]
+
+
 @dataclass(eq=False)
 class _Region:
-    """A request's region of the client's inbox file (inbox.py): each read's rows at ``at``,
-    ``widths`` floats a row. ``done``: the client read it, or gave the request up."""
+    """A request's region of the client's inbox file (inbox.py): the rows of ``rows.reads[j]``
+    at byte ``at[j]``, ``rows.widths[j]`` floats a row. ``done``: the client read it, or gave
+    the request up."""
 
     start: int
     nbytes: int
-    at: dict[Address, int]
-    widths: dict[Address, int]
+    at: tuple[int, ...]
+    rows: _Rows
     held: bool = False  # a generation's, held from its first step to its last (Inbox.take)
     done: bool = False
     slab: Any = None  # a one-token capture's rows in a slab it shares (Inbox.rows), not a region of its own
@@ -239,8 +252,9 @@ class VllmBackend:
         self._board = None  # where the workers report write-only plans (board.py), once started
         self._spill = None  # where multiprocess workers write a collect's rows (spill.py), once started
         self._params: dict[tuple[SamplingConfig, bool], Any] = {}  # vLLM SamplingParams per config (checked once)
-        self._inbox_plans: dict[tuple, dict | None] = {}  # reads -> their widths, if inboxed (_inbox_widths)
+        self._inbox_plans: dict[tuple, _Rows | None] = {}  # reads -> their layout, if inboxed (_inbox_rows)
         self._inbox = None  # where multiprocess workers write a capture's rows (inbox.py)
+        self._issue: Callable[[str], None] | None = None  # validator.issue, once the engine starts
         self._lock = threading.RLock()  # one caller inside the engine at a time
         self._wake = threading.Condition()
         self._requests: dict[str, _Request] = {}
@@ -292,7 +306,7 @@ class VllmBackend:
                         os.environ["VLLM_CPU_OMP_THREADS_BIND"] = binding
             from vllm import LLM, envs
 
-            from .validator import register_graph
+            from .validator import issue, register_graph  # (vLLM's modules load with the engine)
 
             # vLLM caches its environment variables once an engine has started; this engine's
             # settings (in-process or not, the CPU binding) must be read afresh
@@ -321,6 +335,7 @@ class VllmBackend:
             from .board import StatusBoard
 
             self._board = StatusBoard(self.world)
+            self._issue = issue
             if not self._in_process:
                 from .spill import SpillFiles
 
@@ -529,31 +544,30 @@ class VllmBackend:
         rid = f"{_PROCESS}{n:x}"  # unique across clients of one worker (os.urandom per request is slow)
         slot = region = None
         if rows_to is None and capture is not None and self._inbox is not None \
-                and (widths := self._inbox_widths(plan)) is not None:
+                and (layout := self._inbox_rows(plan)) is not None:
             # room for every position it can reach (the final token is never fed); a generation's
             # rows are held in the workers and written at once at its last position (WireSink.hold)
             positions = prompt_len + config.max_tokens - 1
-            region = self._region(plan, positions, widths, held=config.max_tokens > 1)
+            with self._wake:  # its rows and the board row that says they are in, or neither
+                region = self._region(positions, layout, held=config.max_tokens > 1)
+                if region is not None:
+                    slot = None if self._board is None else self._board.take()  # (it comes with the inbox)
+                    if slot is None:  # no board row to say the rows are in: by rpc
+                        self._give_region(region)
+                        region = None
             if region is not None:
                 rows_to = {"path": self._inbox.path, "positions": positions,
-                           "offsets": {str(a): at for a, at in region.at.items()},
-                           "widths": {str(a): w for a, w in region.widths.items()},
+                           "offsets": dict(zip(layout.names, region.at)), "widths": layout.wire_widths,
                            "hold": region.held}
-        if self._board is not None and ((plan.writes and not plan.reads)
-                                        or (rows_to is not None and self._boards(plan))):
+        elif self._board is not None and ((plan.writes and not plan.reads)
+                                          or (rows_to is not None and self._boards(plan))):
             with self._wake:
                 slot = self._board.take()
-        if region is not None and slot is None:  # no board row to say the rows are in: by rpc
-            with self._wake:
-                self._give_region(region)
-            region = rows_to = None
         extra = None if plan.empty else {"interp_engine": plan_to_wire(
             plan, rid, model=self._fingerprint, sink=rows_to,
             board=None if slot is None else self._board.where(slot))}
         if extra is not None:
-            from .validator import issue  # (vLLM's own modules load with the engine, not with this one)
-
-            issue(rid)  # checked by capture_plan / steer_plan: the validator need not parse it again
+            self._issue(rid)  # checked by capture_plan / steer_plan: the validator need not parse it again
         params = self._sampling_params(config, extra, streaming)
         external = f"interp-{n}-{_PROCESS[:8]}"
         request = _Request(external, rid, plan, prompt_len, capture, sink, max_tokens=config.max_tokens, slot=slot,
@@ -571,30 +585,33 @@ class VllmBackend:
         return (bool(plan.reads) and self.sinks(plan) and self._boards(plan)
                 and not any(a.name in _NOT_INBOX for a in plan.reads))
 
-    def _inbox_widths(self, plan: Plan) -> dict[Address, int] | None:
-        """Each read's row width, where ``plan``'s rows can come through the inbox (None where
-        they cannot: ``_inboxes``); worked out once per set of reads (a running engine's)."""
-        def widths() -> dict[Address, int] | None:
-            return {a: point_width(self.graph, a.name) for a in plan.reads} if self._inboxes(plan) else None
-        return memo_get(self._inbox_plans, plan.reads, widths, limit=64)
+    def _inbox_rows(self, plan: Plan) -> _Rows | None:
+        """How ``plan``'s reads lie in the inbox, where their rows can come through it (None
+        where they cannot: ``_inboxes``); worked out once per set of reads (a running engine's)."""
+        def layout() -> _Rows | None:
+            if not self._inboxes(plan):
+                return None
+            names = tuple(str(a) for a in plan.reads)
+            widths = tuple(point_width(self.graph, a.name) for a in plan.reads)
+            return _Rows(plan.reads, names, widths, dict(zip(names, widths)))
+        return memo_get(self._inbox_plans, plan.reads, layout, limit=64)
 
-    def _region(self, plan: Plan, rows: int, widths: dict[Address, int], held: bool) -> _Region | None:
-        """A region of the inbox for ``rows`` rows of each of ``plan``'s reads, ``widths`` floats
-        wide (None: no room); ``held``: a generation's (Inbox.take)."""
+    def _region(self, rows: int, layout: _Rows, held: bool) -> _Region | None:
+        """A region of the inbox for ``rows`` rows of each of ``layout``'s reads (None: no
+        room); ``held``: a generation's (Inbox.take). Holding _wake."""
         if not held:  # a one-token capture: beside the requests added just before it (Inbox.rows)
-            with self._wake:
-                shared = self._inbox.rows(tuple(widths[a] for a in plan.reads), rows)
+            shared = self._inbox.rows(layout.widths, rows)
             if shared is not None:
                 slab, at = shared
-                return _Region(slab.start, slab.nbytes, dict(zip(plan.reads, at)), widths, slab=slab)
-        at, size = {}, 0
-        for a in plan.reads:
-            at[a], size = size, size + 4 * rows * widths[a]
-        with self._wake:
-            start = self._inbox.take(size, held)
+                return _Region(slab.start, slab.nbytes, at, layout, slab=slab)
+        at, size = [], 0
+        for width in layout.widths:
+            at.append(size)
+            size += 4 * rows * width
+        start = self._inbox.take(size, held)
         if start is None:
             return None
-        return _Region(start, size, {a: start + o for a, o in at.items()}, widths, held)
+        return _Region(start, size, tuple(start + o for o in at), layout, held)
 
     def _give_region(self, region: _Region) -> None:
         """``region`` back to the inbox (holding _wake): its slab's rows, or its own bytes."""
@@ -912,11 +929,11 @@ class VllmBackend:
             return merge_ranks(request.plan.reads, results)
         sent = {key for r in results for key in r.get("values", {})}
         rows = request.prompt_len + request.generated - 1
-        reads = request.plan.reads
-        values = merge_ranks([a for a in reads if str(a) in sent], results) if sent else {}
-        for a in reads:
-            if str(a) not in sent:
-                values[a] = self._inbox.read(region.at[a], rows, region.widths[a], self.dtype)
+        layout = region.rows
+        values = merge_ranks([a for a in layout.reads if str(a) in sent], results) if sent else {}
+        for a, name, at, width in zip(layout.reads, layout.names, region.at, layout.widths):
+            if name not in sent:
+                values[a] = self._inbox.read(at, rows, width, self.dtype)
         self._region_done(request)
         return values
 
@@ -1110,8 +1127,10 @@ class VllmBackend:
         values = {}
         for address in plan.reads:
             t = capture.values[address]
-            values[address] = reshape_point(t, self.spec.vllm[address.name].post, self.graph,
-                                            (t.shape[0],)).unsqueeze(0)
+            post = self.spec.vllm[address.name].post
+            if post is not None:  # (a point whose rows are its values as they are: most, in a capture loop)
+                t = reshape_point(t, post, self.graph, (t.shape[0],))
+            values[address] = t.unsqueeze(0)
         return values
 
     def request_output(self, prompt_ids: list[int], steps: list, finish: str, n_logprobs: int | None):
