@@ -43,7 +43,7 @@ from specs import ArchSpec
 
 from ..outputs import full_output
 from .sink import rows_are_values
-from .wire import memo_get, merge_ranks, plan_to_wire, point_width, tensor_from_wire, tensor_to_wire
+from .wire import KEY, memo_get, merge_ranks, pack_plan, plan_to_wire, point_width, tensor_from_wire, tensor_to_wire
 
 __all__ = ["VllmBackend", "check_engine_kwargs"]
 
@@ -563,11 +563,13 @@ class VllmBackend:
                                           or (rows_to is not None and self._boards(plan))):
             with self._wake:
                 slot = self._board.take()
-        extra = None if plan.empty else {"interp_engine": plan_to_wire(
-            plan, rid, model=self._fingerprint, sink=rows_to,
-            board=None if slot is None else self._board.where(slot))}
-        if extra is not None:
-            self._issue(rid)  # checked by capture_plan / steer_plan: the validator need not parse it again
+        extra = None
+        if not plan.empty:
+            # packed: vLLM checks extra_args value by value in the engine core and in each worker
+            packed = pack_plan(plan_to_wire(plan, rid, model=self._fingerprint, sink=rows_to,
+                                            board=None if slot is None else self._board.where(slot)))
+            extra = {KEY: packed}
+            self._issue(packed)  # checked by capture_plan / steer_plan: the validator need not parse it again
         params = self._sampling_params(config, extra, streaming)
         external = f"interp-{n}-{_PROCESS[:8]}"
         request = _Request(external, rid, plan, prompt_len, capture, sink, max_tokens=config.max_tokens, slot=slot,

@@ -48,7 +48,7 @@ from .board import FAILED, OK, BoardFiles
 from .buffers import Arena, Buffer
 from .routing import experts_path
 from .sink import SinkFiles, SinkWriter, rows_are_values, write_rows
-from .wire import WirePlan, plan_from_args, process_registry, tensor_to_wire
+from .wire import WirePlan, plan_from_args, plan_rid, process_registry, tensor_to_wire
 
 __all__ = ["Runtime"]
 
@@ -358,8 +358,7 @@ class Runtime:
         try:
             plan = plan_from_args(extra, registry=self.registry, rid=req_id, memo=self.decoded)
         except Exception as exc:
-            plan = WirePlan(str(extra.get("interp_engine", {}).get("rid", req_id)) if isinstance(
-                extra.get("interp_engine"), dict) else req_id, (), ())
+            plan = WirePlan(plan_rid(extra, req_id), (), ())
             request = _Request(plan, 0, error=f"bad plan: {exc}")
             self.by_rid[plan.rid] = request
             return request

@@ -6,6 +6,7 @@ an HTTP 400). It checks a request's plan against the model graph registered in t
 is, its structure and vector names. It leaves logits untouched. A plan this process's own client
 built (``issue``) from a Plan already checked against the model passes without being parsed
 again; the worker parses every plan in any case, and a bad one fails only its own request.
+A plan comes as a mapping or packed into bytes (wire.py, ``pack_plan``).
 """
 
 from __future__ import annotations
@@ -15,20 +16,26 @@ from typing import Any
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
-from .wire import PlanError, plan_from_args
+from .wire import KEY, PlanError, plan_from_args, unpack_plan
 
 __all__ = ["PlanValidator", "fingerprint", "issue", "register_graph", "unregister_graph"]
 
 _GRAPHS: dict[str, Any] = {}
-_ISSUED: dict[str, None] = {}  # rids of plans built here from checked Plans, not yet validated
-_ISSUED_KEEP = 1 << 16  # a request that never reached vLLM leaves its rid: keep the newest only
+# plans built here from checked Plans, not yet validated: a mapping's rid -> None, or a packed
+# plan's id -> the bytes object itself (kept, so the id names that object and no later one)
+_ISSUED: dict[str | int, Any] = {}
+_ISSUED_KEEP = 1 << 13  # a request that never reached vLLM leaves its entry: keep the newest only
 
 
-def issue(rid: str) -> None:
-    """Mark the wire plan ``rid`` as built in this process from a Plan that capture_plan /
-    steer_plan checked against the registered graph: validating it once more in the same
-    process would only repeat that work (a parse of every vector, per request)."""
-    _ISSUED[rid] = None
+def issue(plan: str | bytes) -> None:
+    """Mark a wire plan as built in this process from a Plan that capture_plan / steer_plan
+    checked against the registered graph: validating it once more in the same process would
+    only repeat that work (a parse of every vector, per request). ``plan``: a mapping plan's
+    rid, or a packed plan (``pack_plan``), which passes only as this very bytes object."""
+    if isinstance(plan, bytes):
+        _ISSUED[id(plan)] = plan
+    else:
+        _ISSUED[plan] = None
     if len(_ISSUED) > _ISSUED_KEEP:
         del _ISSUED[next(iter(_ISSUED))]
 
@@ -65,7 +72,7 @@ def _served_graph():
 
 
 def graph_for(extra_args) -> Any:
-    data = extra_args.get("interp_engine") if isinstance(extra_args, dict) else None
+    data = extra_args.get(KEY) if isinstance(extra_args, dict) else None
     if isinstance(data, dict) and data.get("model") in _GRAPHS:
         return _GRAPHS[data["model"]]
     if not _GRAPHS:
@@ -83,10 +90,14 @@ class PlanValidator(LogitsProcessor):
         extra = getattr(sampling_params, "extra_args", None)
         if not extra:
             return
-        data = extra.get("interp_engine") if isinstance(extra, dict) else None
+        data = extra.get(KEY) if isinstance(extra, dict) else None
         if isinstance(data, dict) and _ISSUED.pop(data.get("rid"), 0) is None:
             return  # checked where it was built (``issue``)
+        if isinstance(data, bytes) and _ISSUED.pop(id(data), None) is data:
+            return  # (packed: this very object was issued)
         try:
+            if isinstance(data, (bytes, bytearray, memoryview)):  # unpacked once, for the graph and the parse
+                extra = {**extra, KEY: unpack_plan(data)}
             plan_from_args(extra, graph=graph_for(extra))
         except PlanError:
             raise

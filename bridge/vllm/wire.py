@@ -11,7 +11,11 @@ runtime, the admission validator and the server all read this one format.
 
 Two spellings of a plan reach a worker:
 
-- ``extra_args["interp_engine"] = {...}`` — what this library's client sends (``plan_to_wire``);
+- ``extra_args["interp_engine"] = {...}`` — a plan as ``plan_to_wire`` builds it; or the same
+  mapping packed into MessagePack bytes (``pack_plan``), which is what this library's client
+  sends: vLLM checks ``extra_args`` value by value each time it rebuilds a request's
+  ``SamplingParams`` (in the engine core, and again in each worker), and one bytes value is one
+  check instead of one per key and value of the plan;
 - flat ``vllm_xargs`` a server request can carry (str / int / float / lists of them):
   ``interp_steer`` (a registered vector's name), ``interp_scale``, ``interp_at`` (a point;
   default: the vector's registered point), ``interp_positions`` ("all", "prompt", "generated"
@@ -39,7 +43,7 @@ from interp_engine._plan import (EXPERT_OPS, OPS, VECTORLESS, Plan, _norm_positi
                                  write_sites)
 
 __all__ = ["KEY", "FLAT_KEYS", "PlanError", "VectorRegistry", "WireOp", "WirePlan", "WireSink", "memo_get",
-           "plan_from_args", "plan_to_wire", "tensor_from_wire", "tensor_to_wire"]
+           "pack_plan", "plan_from_args", "plan_rid", "plan_to_wire", "tensor_from_wire", "tensor_to_wire", "unpack_plan"]
 
 KEY = "interp_engine"
 VERSION = 1
@@ -217,6 +221,50 @@ def plan_to_wire(plan: Plan, rid: str, capture_path: str | None = None, model: s
     if board is not None:
         data["board"] = {"path": str(board["path"]), "at": int(board["at"])}
     return data
+
+
+_CODEC: list = []  # msgspec's MessagePack (encoder, decoder), made on first use
+
+
+def _codec() -> tuple:
+    if not _CODEC:
+        import msgspec  # (a vLLM dependency: imported where plans are packed or unpacked)
+
+        _CODEC.extend((msgspec.msgpack.Encoder(), msgspec.msgpack.Decoder(), msgspec.DecodeError))
+    return _CODEC[0], _CODEC[1], _CODEC[2]
+
+
+def pack_plan(data: Mapping) -> bytes:
+    """A wire plan (``plan_to_wire``'s mapping) as one MessagePack bytes value, for
+    ``extra_args[KEY]``: what this library's client sends (see the module's docstring)."""
+    return _codec()[0].encode(data)
+
+
+def unpack_plan(data: bytes | bytearray | memoryview) -> dict:
+    """The mapping a packed plan (``pack_plan``) holds. Raises PlanError if it holds none."""
+    _, decoder, error = _codec()
+    try:
+        value = decoder.decode(data)
+    except error as exc:
+        raise _fail(f"extra_args[{KEY!r}] holds bytes that are not a MessagePack plan ({exc}); send the "
+                    "mapping plan_to_wire builds, or pack_plan of it") from None
+    if type(value) is not dict:
+        raise _fail(f"extra_args[{KEY!r}] holds bytes that unpack to {type(value).__name__}, not a plan mapping; "
+                    "send the mapping plan_to_wire builds, or pack_plan of it")
+    return value
+
+
+def plan_rid(extra_args, default: str) -> str:
+    """The rid a request's ``extra_args[KEY]`` names (mapping or packed), or ``default``: where
+    its plan failed to parse, so that its client, which collects by rid, hears why."""
+    data = extra_args.get(KEY) if isinstance(extra_args, Mapping) else None
+    if isinstance(data, (bytes, bytearray, memoryview)):
+        try:
+            data = unpack_plan(data)
+        except PlanError:
+            return default
+    rid = data.get("rid") if isinstance(data, Mapping) else None
+    return str(rid) if rid else default
 
 
 def _fail(message: str) -> PlanError:
@@ -422,8 +470,11 @@ def plan_from_args(extra_args: Mapping | None, graph=None, registry: VectorRegis
     registry = registry if registry is not None else process_registry()
     if KEY in extra_args:
         data = extra_args[KEY]
+        if isinstance(data, (bytes, bytearray, memoryview)):
+            data = unpack_plan(data)
         if not isinstance(data, Mapping) or data.get("v") != VERSION:
-            raise _fail(f"extra_args[{KEY!r}] must be a mapping with v={VERSION} (build it with plan_to_wire)")
+            raise _fail(f"extra_args[{KEY!r}] must be a mapping with v={VERSION} (build it with plan_to_wire), "
+                        "or pack_plan of one")
         reads = data.get("reads", [])
         writes = data.get("writes", [])
         if not isinstance(reads, (list, tuple)) or not isinstance(writes, (list, tuple)):
