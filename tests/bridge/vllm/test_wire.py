@@ -46,6 +46,34 @@ def test_a_plan_round_trips_through_plain_data(graph):
         assert torch.equal(got.vector, op.effective())  # the worker's effective vector, bit for bit
 
 
+def test_a_packed_plan_is_the_same_plan_and_bad_bytes_are_refused(graph, tmp_path):
+    """What the client sends (``pack_plan``: the mapping as one MessagePack bytes value) decodes
+    to the plan the mapping decodes to, sink, board and vectors included; bytes that hold no
+    plan are refused naming what to send, and a packed plan that fails its checks fails them
+    as the mapping would (its rid still found, so its client hears why)."""
+    wire = _wire()
+    plan = capture_plan(graph, ["resid_post.1", "z.2"]) | steer_plan(graph, SteerSpec.add("resid_post.0", torch.randn(D)))
+    sink = {"path": str(tmp_path / "rows"), "positions": 5, "offsets": {"resid_post.1": 0, "z.2": 4096},
+            "widths": {"resid_post.1": D, "z.2": D}}
+    data = wire.plan_to_wire(plan, "rid-p", sink=sink, board={"path": str(tmp_path / "board"), "at": 3})
+    packed = wire.pack_plan(data)
+    assert isinstance(packed, bytes)
+    plain, unpacked = (wire.plan_from_args({wire.KEY: d}, graph=graph) for d in (data, packed))
+    assert (unpacked.rid, unpacked.reads, unpacked.sink, unpacked.board) == (plain.rid, plain.reads, plain.sink, plain.board)
+    assert unpacked.sink.offsets == {"resid_post.1": 0, "z.2": 4096} and unpacked.board == (str(tmp_path / "board"), 3)
+    for got, want in zip(unpacked.writes, plan.writes):
+        assert got.address == want.address and torch.equal(got.vector, want.effective())
+    assert wire.plan_from_args({wire.KEY: memoryview(bytearray(packed))}, graph=graph).reads == plain.reads
+    for bad, match in ((b"\xc1", "not a MessagePack plan"), (wire.pack_plan([1, 2]), "unpack to list")):
+        with pytest.raises(wire.PlanError, match=match):
+            wire.plan_from_args({wire.KEY: bad}, graph=graph)
+        assert wire.plan_rid({wire.KEY: bad}, "req-9") == "req-9"
+    data["writes"][0]["op"] = "multiply"
+    with pytest.raises(wire.PlanError, match="unknown op 'multiply'"):
+        wire.plan_from_args({wire.KEY: wire.pack_plan(data)}, graph=graph)
+    assert wire.plan_rid({wire.KEY: wire.pack_plan(data)}, "req-9") == "rid-p" == wire.plan_rid({wire.KEY: data}, "x")
+
+
 def _as_list(entry: dict, vector: list) -> None:
     """The write's vector sent as a list of floats (what a server request sends) instead."""
     entry.pop("vector_b64"), entry.pop("shape")
@@ -270,6 +298,20 @@ def test_the_validator_passes_plans_its_process_issued_once_and_parses_every_oth
     validator.PlanValidator.validate_params(params)  # issued here: passed as built
     with pytest.raises(wire.PlanError, match="unknown op 'multiply'"):
         validator.PlanValidator.validate_params(params)  # once only
+    # packed (what the client sends): passed only as the very bytes object issued, once
+    packed = wire.pack_plan(data)
+    same = wire.pack_plan(data)
+    packed_params = SimpleNamespace(extra_args={wire.KEY: packed})
+    validator.issue(packed)
+    with pytest.raises(wire.PlanError, match="unknown op 'multiply'"):
+        validator.PlanValidator.validate_params(SimpleNamespace(extra_args={wire.KEY: same}))  # equal, not it
+    validator.PlanValidator.validate_params(packed_params)
+    with pytest.raises(wire.PlanError, match="unknown op 'multiply'"):
+        validator.PlanValidator.validate_params(packed_params)
+    data["writes"][0]["op"] = "add"
+    validator.PlanValidator.validate_params(SimpleNamespace(extra_args={wire.KEY: wire.pack_plan(data)}))
+    with pytest.raises(wire.PlanError, match="not a MessagePack plan"):
+        validator.PlanValidator.validate_params(SimpleNamespace(extra_args={wire.KEY: b"\xc1"}))
 
 
 def test_a_steering_op_is_encoded_once_and_each_request_gets_its_own_copy(graph):
