@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from vllm.v1.sample.logits_processor import BatchUpdate, LogitsProcessor
 
-from .wire import KEY, PlanError, plan_from_args, unpack_plan
+from .wire import KEY, PACKED, PlanError, plan_from_args, unpack_plan
 
 __all__ = ["PlanValidator", "fingerprint", "issue", "register_graph", "unregister_graph"]
 
@@ -96,7 +96,7 @@ class PlanValidator(LogitsProcessor):
         if isinstance(data, bytes) and _ISSUED.pop(id(data), None) is data:
             return  # (packed: this very object was issued)
         try:
-            if isinstance(data, (bytes, bytearray, memoryview)):  # unpacked once, for the graph and the parse
+            if isinstance(data, PACKED):  # unpacked once, for the graph and the parse
                 extra = {**extra, KEY: unpack_plan(data)}
             plan_from_args(extra, graph=graph_for(extra))
         except PlanError:

@@ -42,7 +42,7 @@ from interp_engine._ops import effective_vector
 from interp_engine._plan import (EXPERT_OPS, OPS, VECTORLESS, Plan, _norm_positions, is_write_site, unit_dims,
                                  write_sites)
 
-__all__ = ["KEY", "FLAT_KEYS", "PlanError", "VectorRegistry", "WireOp", "WirePlan", "WireSink", "memo_get",
+__all__ = ["KEY", "FLAT_KEYS", "PACKED", "PlanError", "VectorRegistry", "WireOp", "WirePlan", "WireSink", "memo_get",
            "pack_plan", "plan_from_args", "plan_rid", "plan_to_wire", "tensor_from_wire", "tensor_to_wire", "unpack_plan"]
 
 KEY = "interp_engine"
@@ -223,6 +223,7 @@ def plan_to_wire(plan: Plan, rid: str, capture_path: str | None = None, model: s
     return data
 
 
+PACKED = (bytes, bytearray, memoryview)  # what a packed plan (pack_plan) may come as
 _CODEC: list = []  # msgspec's MessagePack (encoder, decoder), made on first use
 
 
@@ -258,7 +259,7 @@ def plan_rid(extra_args, default: str) -> str:
     """The rid a request's ``extra_args[KEY]`` names (mapping or packed), or ``default``: where
     its plan failed to parse, so that its client, which collects by rid, hears why."""
     data = extra_args.get(KEY) if isinstance(extra_args, Mapping) else None
-    if isinstance(data, (bytes, bytearray, memoryview)):
+    if isinstance(data, PACKED):
         try:
             data = unpack_plan(data)
         except PlanError:
@@ -470,7 +471,7 @@ def plan_from_args(extra_args: Mapping | None, graph=None, registry: VectorRegis
     registry = registry if registry is not None else process_registry()
     if KEY in extra_args:
         data = extra_args[KEY]
-        if isinstance(data, (bytes, bytearray, memoryview)):
+        if isinstance(data, PACKED):
             data = unpack_plan(data)
         if not isinstance(data, Mapping) or data.get("v") != VERSION:
             raise _fail(f"extra_args[{KEY!r}] must be a mapping with v={VERSION} (build it with plan_to_wire), "
