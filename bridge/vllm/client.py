@@ -115,22 +115,26 @@ _SETTLE_MAX = 256  # harvest windows answered for in one rpc, at most (workers k
 
 @dataclass
 class _Capture:
-    """Where a request's captures land once it ends: address -> [rows, ...] tensors."""
+    """Where a request's captures land once it ends: address -> [rows, ...] tensors, or
+    (``assembled``) already as ``assemble`` returns them, ``[1, rows, ...]``."""
 
     rid: str = ""
     values: dict[Address, torch.Tensor] | None = None
+    assembled: bool = False
 
 
 @dataclass(frozen=True, eq=False)
 class _Rows:
     """How one set of reads lies in the inbox, worked out once per set (``_inbox_rows``): in
     plan order, each read's address, its name on the wire and its row width in floats;
-    ``wire_widths`` is the sink's ``widths`` as sent (one dict every request shares, read only)."""
+    ``wire_widths`` is the sink's ``widths`` as sent (one dict every request shares, read only);
+    ``plain``: every read's rows are its values as they are (no ``post`` reshape in ``assemble``)."""
 
     reads: tuple[Address, ...]
     names: tuple[str, ...]
     widths: tuple[int, ...]
     wire_widths: dict[str, int]
+    plain: bool
 
 
 @dataclass(eq=False)
@@ -595,7 +599,8 @@ class VllmBackend:
                 return None
             names = tuple(str(a) for a in plan.reads)
             widths = tuple(point_width(self.graph, a.name) for a in plan.reads)
-            return _Rows(plan.reads, names, widths, dict(zip(names, widths)))
+            plain = all(self.spec.vllm[a.name].post is None for a in plan.reads)
+            return _Rows(plan.reads, names, widths, dict(zip(names, widths)), plain)
         return memo_get(self._inbox_plans, plan.reads, layout, limit=64)
 
     def _region(self, rows: int, layout: _Rows, held: bool) -> _Region | None:
@@ -921,23 +926,29 @@ class VllmBackend:
         results = self._answers(request, request.prompt_len + request.generated - 1
                                 if request.capture is not None else 0)
         if request.capture is not None:
-            request.capture.values = self._captured(request, results)
+            self._captured(request, results, request.capture)
 
-    def _captured(self, request: _Request, results: list) -> dict[Address, torch.Tensor]:
-        """An ended request's rows: those the workers answered with, and those they wrote into
-        its inbox region (all of them, when the board said so and nothing was collected)."""
+    def _captured(self, request: _Request, results: list, capture: _Capture) -> None:
+        """An ended request's rows into ``capture``: those the workers answered with, and those
+        they wrote into its inbox region (all of them, when the board said so and nothing was
+        collected: then, where no read needs reshaping, already as ``assemble`` returns them)."""
         region = request.region
         if region is None:
-            return merge_ranks(request.plan.reads, results)
+            capture.values = merge_ranks(request.plan.reads, results)
+            return
         sent = {key for r in results for key in r.get("values", {})}
         rows = request.prompt_len + request.generated - 1
         layout = region.rows
-        values = merge_ranks([a for a in layout.reads if str(a) in sent], results) if sent else {}
-        for a, name, at, width in zip(layout.reads, layout.names, region.at, layout.widths):
-            if name not in sent:
-                values[a] = self._inbox.read(at, rows, width, self.dtype)
+        if not sent and layout.plain:
+            capture.values = self._inbox.read_batched(layout.reads, region.at, rows, layout.widths, self.dtype)
+            capture.assembled = True
+        else:
+            values = merge_ranks([a for a in layout.reads if str(a) in sent], results) if sent else {}
+            for a, name, at, width in zip(layout.reads, layout.names, region.at, layout.widths):
+                if name not in sent:
+                    values[a] = self._inbox.read(at, rows, width, self.dtype)
+            capture.values = values
         self._region_done(request)
-        return values
 
     def _answers(self, request: _Request, n: int) -> list:
         """The workers' answers for an ended request (collected by the pump, or now, for ``n``
@@ -1126,6 +1137,8 @@ class VllmBackend:
     def assemble(self, plan: Plan, capture: _Capture) -> dict[Address, torch.Tensor]:
         if capture.values is None:
             raise RuntimeError("the request ended without its captures (it was cancelled or failed)")
+        if capture.assembled:
+            return capture.values
         values = {}
         for address in plan.reads:
             t = capture.values[address]

@@ -181,6 +181,17 @@ class Inbox:
         out = torch.from_numpy(self._floats[first:first + rows * width].reshape(rows, width).copy())
         return out if dtype == torch.float32 else out.to(dtype)
 
+    def read_batched(self, keys: tuple, at: tuple[int, ...], rows: int, widths: tuple[int, ...],
+                     dtype: torch.dtype) -> dict:
+        """``read`` of each ``keys[j]``'s rows at ``at[j]``, ``widths[j]`` floats a row, each
+        copy shaped ``[1, rows, width]`` (a batch of one, as a capture returns it)."""
+        floats, out = self._floats, {}
+        for key, byte, width in zip(keys, at, widths):
+            first = byte >> 2
+            t = torch.from_numpy(floats[first:first + rows * width].reshape(1, rows, width).copy())
+            out[key] = t if dtype == torch.float32 else t.to(dtype)
+        return out
+
     def close(self) -> None:
         self._floats = None  # (the map cannot close while an array holds its buffer)
         self._finalize()

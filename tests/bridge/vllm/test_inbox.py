@@ -132,6 +132,28 @@ def test_rows_are_read_as_a_copy_in_the_asked_dtype(tmp_path):
         inbox.close()
 
 
+def test_a_requests_rows_of_every_point_are_read_at_once_as_a_batch_of_one(tmp_path):
+    inbox = Inbox(size=4096, directory=str(tmp_path))
+    try:
+        a, b = inbox.take(2 * 3 * 4), inbox.take(2 * 5 * 4)
+        rows_a = np.arange(6, dtype=np.float32).reshape(2, 3) + 0.5
+        rows_b = -np.arange(10, dtype=np.float32).reshape(2, 5) - 0.25
+        with open(inbox.path, "r+b") as f:
+            for at, rows in ((a, rows_a), (b, rows_b)):
+                f.seek(at)
+                f.write(rows.tobytes())
+        got = inbox.read_batched(("x", "y"), (a, b), 2, (3, 5), torch.float32)
+        assert list(got) == ["x", "y"]
+        assert torch.equal(got["x"], torch.from_numpy(rows_a)[None]) and torch.equal(got["y"], torch.from_numpy(rows_b)[None])
+        assert inbox.read_batched(("x",), (a,), 2, (3,), torch.bfloat16)["x"].dtype == torch.bfloat16
+        with open(inbox.path, "r+b") as f:
+            f.seek(a)
+            f.write(np.zeros(6, dtype=np.float32).tobytes())
+        assert torch.equal(got["x"], torch.from_numpy(rows_a)[None])  # copies
+    finally:
+        inbox.close()
+
+
 def test_a_client_that_exits_without_closing_leaves_no_inbox_file(tmp_path):
     import subprocess
     import sys
