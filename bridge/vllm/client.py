@@ -115,12 +115,11 @@ _SETTLE_MAX = 256  # harvest windows answered for in one rpc, at most (workers k
 
 @dataclass
 class _Capture:
-    """Where a request's captures land once it ends: address -> [rows, ...] tensors, or
-    (``assembled``) already as ``assemble`` returns them, ``[1, rows, ...]``."""
+    """Where a request's captures land once it ends, as ``assemble`` returns them: address ->
+    ``[1, rows, ...]`` tensors (each point's shape), in plan order."""
 
     rid: str = ""
     values: dict[Address, torch.Tensor] | None = None
-    assembled: bool = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -128,7 +127,7 @@ class _Rows:
     """How one set of reads lies in the inbox, worked out once per set (``_inbox_rows``): in
     plan order, each read's address, its name on the wire and its row width in floats;
     ``wire_widths`` is the sink's ``widths`` as sent (one dict every request shares, read only);
-    ``plain``: every read's rows are its values as they are (no ``post`` reshape in ``assemble``)."""
+    ``plain``: every read's rows are its values as they are (no ``post`` reshape: ``_shaped``)."""
 
     reads: tuple[Address, ...]
     names: tuple[str, ...]
@@ -931,24 +930,35 @@ class VllmBackend:
     def _captured(self, request: _Request, results: list, capture: _Capture) -> None:
         """An ended request's rows into ``capture``: those the workers answered with, and those
         they wrote into its inbox region (all of them, when the board said so and nothing was
-        collected: then, where no read needs reshaping, already as ``assemble`` returns them)."""
+        collected: then, where no read needs reshaping, read straight into their final shape)."""
         region = request.region
         if region is None:
-            capture.values = merge_ranks(request.plan.reads, results)
+            capture.values = self._shaped(request.plan.reads, merge_ranks(request.plan.reads, results))
             return
         sent = {key for r in results for key in r.get("values", {})}
         rows = request.prompt_len + request.generated - 1
         layout = region.rows
         if not sent and layout.plain:
             capture.values = self._inbox.read_batched(layout.reads, region.at, rows, layout.widths, self.dtype)
-            capture.assembled = True
         else:
             values = merge_ranks([a for a in layout.reads if str(a) in sent], results) if sent else {}
             for a, name, at, width in zip(layout.reads, layout.names, region.at, layout.widths):
                 if name not in sent:
                     values[a] = self._inbox.read(at, rows, width, self.dtype)
-            capture.values = values
+            capture.values = self._shaped(layout.reads, values)
         self._region_done(request)
+
+    def _shaped(self, reads: tuple[Address, ...], rows: dict[Address, torch.Tensor]) -> dict[Address, torch.Tensor]:
+        """One request's ``[rows, ...]`` of each read, in ``reads`` order, as a capture returns
+        them: each point in its own shape (heads split out, a pattern's keys), a batch of one."""
+        values = {}
+        for address in reads:
+            t = rows[address]
+            post = self.spec.vllm[address.name].post
+            if post is not None:  # (a point whose rows are its values as they are: most, in a capture loop)
+                t = reshape_point(t, post, self.graph, (t.shape[0],))
+            values[address] = t.unsqueeze(0)
+        return values
 
     def _answers(self, request: _Request, n: int) -> list:
         """The workers' answers for an ended request (collected by the pump, or now, for ``n``
@@ -1137,16 +1147,7 @@ class VllmBackend:
     def assemble(self, plan: Plan, capture: _Capture) -> dict[Address, torch.Tensor]:
         if capture.values is None:
             raise RuntimeError("the request ended without its captures (it was cancelled or failed)")
-        if capture.assembled:
-            return capture.values
-        values = {}
-        for address in plan.reads:
-            t = capture.values[address]
-            post = self.spec.vllm[address.name].post
-            if post is not None:  # (a point whose rows are its values as they are: most, in a capture loop)
-                t = reshape_point(t, post, self.graph, (t.shape[0],))
-            values[address] = t.unsqueeze(0)
-        return values
+        return capture.values  # (shaped when it ended: _captured)
 
     def request_output(self, prompt_ids: list[int], steps: list, finish: str, n_logprobs: int | None):
         return full_output(prompt_ids, steps, finish, n_logprobs)
